@@ -1,0 +1,373 @@
+"""Pure tensor math of the Transformer: attention, the softmax Jacobian, position encodings.
+
+Nothing here holds parameters; the layers in :mod:`tformer.layers` call these functions.
+
+Shape legend used throughout the library:
+    B batch, H query heads, Hkv key/value heads, L query length, S key length,
+    E query/key head dim, Ev value head dim, T sequence length, C model width (d_model).
+
+The one mask convention of tformer (the same as ``torch.nn.functional.scaled_dot_product_attention``):
+    * a boolean mask is ``True`` where a query **may attend** to a key;
+    * a float mask is **added** to the scores (``-inf`` forbids a key);
+    * masks are applied to the scores *before* the softmax, so the allowed weights still sum to 1;
+    * a query row with no key it may attend to returns zeros and receives zero gradient, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+Backend = Literal["auto", "reference", "sdpa", "tiled", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled", "triton")
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------------
+def causal_mask(num_queries: int, num_keys: int, device: torch.device | str | None = None) -> Tensor:
+    """Boolean ``(L, S)`` mask with ``mask[i, j] = j <= i`` (top-left aligned, as PyTorch's ``is_causal``)."""
+    rows = torch.arange(num_queries, device=device)[:, None]
+    cols = torch.arange(num_keys, device=device)[None, :]
+    return cols <= rows
+
+
+def merge_masks(attn_mask: Tensor | None, is_causal: bool, num_queries: int, num_keys: int) -> Tensor | None:
+    """One mask equal to ``attn_mask`` AND the causal mask (float masks get ``-inf`` above the diagonal)."""
+    if not is_causal:
+        return attn_mask
+    device = attn_mask.device if attn_mask is not None else None
+    causal = causal_mask(num_queries, num_keys, device)
+    if attn_mask is None:
+        return causal
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return attn_mask.masked_fill(~causal, float("-inf"))
+
+
+def _check_attention_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> None:
+    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+        raise ValueError(
+            f"attention needs query (..., L, E), key (..., S, E), value (..., S, Ev); got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must share the last (head) dimension E; got query E={query.shape[-1]}, "
+            f"key E={key.shape[-1]}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key and value must have the same length S; got key S={key.shape[-2]}, value S={value.shape[-2]}"
+        )
+    if not (query.dtype == key.dtype == value.dtype) or not query.is_floating_point():
+        raise ValueError(
+            f"query, key and value must share one floating dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if query.dim() >= 3 and key.dim() >= 3:
+        hq, hkv = query.shape[-3], key.shape[-3]
+        if hq != hkv and (hkv == 0 or hq % hkv != 0) and hkv != 1:
+            raise ValueError(
+                f"grouped-query attention needs the query heads ({hq}) to be a multiple of the key/value heads "
+                f"({hkv}); choose num_kv_heads dividing num_heads"
+            )
+    if attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(
+            f"attn_mask must be boolean (True = may attend) or floating (added to the scores); "
+            f"got dtype {attn_mask.dtype}"
+        )
+
+
+def _group_query_heads(query: Tensor, key: Tensor) -> tuple[Tensor, int]:
+    """View ``query (..., H, L, E)`` as ``(..., Hkv, H/Hkv, L, E)`` when key has fewer heads (no copy).
+
+    Query head ``j`` then meets key/value head ``j // (H/Hkv)`` (the ``repeat_interleave`` convention of
+    Llama and of PyTorch's ``enable_gqa``). Returns the (possibly) regrouped query and the group size.
+    """
+    if query.dim() < 3 or key.dim() < 3 or query.shape[-3] == key.shape[-3] or key.shape[-3] == 1:
+        return query, 1
+    groups = query.shape[-3] // key.shape[-3]
+    *lead, h, length, e = query.shape
+    return query.reshape(*lead, h // groups, groups, length, e), groups
+
+
+def _kv_for_groups(t: Tensor, groups: int) -> Tensor:
+    return t if groups == 1 else t.unsqueeze(-3)  # (..., Hkv, S, E) -> (..., Hkv, 1, S, E)
+
+
+def _mask_for_groups(mask: Tensor | None, groups: int) -> Tensor | None:
+    """Reshape a mask broadcastable to ``(..., H, L, S)`` so it broadcasts to ``(..., Hkv, g, L, S)``."""
+    if mask is None or groups == 1:
+        return mask
+    if mask.dim() < 3 or mask.shape[-3] == 1:
+        return mask.unsqueeze(-3) if mask.dim() >= 3 else mask
+    *lead, h, length, s = mask.shape
+    return mask.reshape(*lead, h // groups, groups, length, s)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference attention, written out step by step
+# --------------------------------------------------------------------------------------------------
+def attention_scores(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Masked, scaled logits ``Z = Q K^T * scale`` with forbidden entries set to ``-inf``.
+
+    Shapes: ``query (..., L, E)``, ``key (..., S, E)`` -> ``(..., L, S)``. Default ``scale = 1/sqrt(E)``:
+    with iid unit-variance entries ``Var(q.k) = E``, so dividing by ``sqrt(E)`` restores unit variance.
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale  # (..., L, E) @ (..., E, S) -> (..., L, S)
+    mask = merge_masks(attn_mask, is_causal, query.shape[-2], key.shape[-2])
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
+
+
+def masked_softmax(scores: Tensor) -> Tensor:
+    """Row softmax of ``scores (..., S)`` where a row that is all ``-inf`` gives zeros (and zero gradient).
+
+    ``a_i = exp(z_i - max z) / sum_j exp(z_j - max z)``. An all-``-inf`` row would give ``0/0 = NaN``;
+    such rows are replaced by finite zeros *before* the softmax and their weights zeroed after it, so
+    no NaN enters the forward or the backward pass.
+    """
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., 1): rows with nothing to attend
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+    return weights.masked_fill(empty, 0.0)
+
+
+def attention_weights(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention probabilities ``A = softmax(Q K^T / sqrt(E) + mask)`` of shape ``(..., L, S)``.
+
+    Grouped-query shapes (fewer key heads than query heads) are broadcast: query head ``j`` uses key
+    head ``j // (H/Hkv)``; the result has the query's head count.
+    """
+    _check_attention_args(query, key, key, attn_mask)
+    grouped, groups = _group_query_heads(query, key)
+    scores = attention_scores(
+        grouped, _kv_for_groups(key, groups), _mask_for_groups(attn_mask, groups), is_causal, scale
+    )
+    weights = masked_softmax(scores)
+    return weights.reshape(*query.shape[:-1], key.shape[-2]) if groups > 1 else weights
+
+
+def reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Materialized attention ``softmax(Q K^T * scale + mask) V``; O(L*S) memory. The test oracle.
+
+    1. scores ``Z = Q K^T * scale``                  (..., L, S)
+    2. mask: forbidden entries ``-inf`` (before the softmax, so allowed weights renormalize)
+    3. ``A = softmax(Z)`` row-wise; empty rows -> 0  (..., L, S)
+    4. output ``A V``                                (..., L, Ev)
+    """
+    grouped, groups = _group_query_heads(query, key)
+    scores = attention_scores(
+        grouped, _kv_for_groups(key, groups), _mask_for_groups(attn_mask, groups), is_causal, scale
+    )
+    weights = masked_softmax(scores)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = torch.matmul(weights, _kv_for_groups(value, groups))  # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
+    return out.reshape(*query.shape[:-1], value.shape[-1]) if groups > 1 else out
+
+
+def _sdpa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    dropout_p: float,
+) -> Tensor:
+    """PyTorch's fused kernels. PyTorch forbids ``attn_mask`` with ``is_causal``; we merge them instead."""
+    if attn_mask is not None and is_causal:
+        attn_mask, is_causal = merge_masks(attn_mask, True, query.shape[-2], key.shape[-2]), False
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        attn_mask = attn_mask.to(query.dtype)
+    gqa = query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=gqa,
+    )  # fmt: skip
+
+
+def resolve_backend(backend: str, query: Tensor, dropout_p: float = 0.0) -> str:
+    """The concrete backend ``"auto"`` stands for on this device and these inputs.
+
+    ``"auto"`` is PyTorch's SDPA, which on CPU runs a fused flash kernel (exact, O(n) memory) and on CUDA
+    the FlashAttention-2 / memory-efficient kernels; both were the fastest exact paths we measured
+    (see BENCHMARKS.md).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    return "sdpa"
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    dropout_p: float = 0.0,
+    backend: Backend = "auto",
+) -> Tensor:
+    """``Attention(Q, K, V) = softmax(Q K^T * scale + mask) V`` (Vaswani et al. 2017, eq. 1).
+
+    Args follow ``torch.nn.functional.scaled_dot_product_attention``:
+        query ``(..., L, E)``, key ``(..., S, E)``, value ``(..., S, Ev)`` -> ``(..., L, Ev)``.
+        attn_mask: boolean (``True`` = may attend) or float (added to the scores), broadcastable to
+            ``(..., L, S)``. May be combined with ``is_causal`` (both apply).
+        is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned when ``L != S``).
+        scale: defaults to ``1/sqrt(E)``.
+        dropout_p: dropout on the attention weights (reference and sdpa backends only).
+        backend: ``"reference"`` (materialized, step by step), ``"sdpa"`` (PyTorch's fused kernels),
+            ``"tiled"`` (online-softmax FlashAttention in PyTorch), ``"triton"`` (Triton kernel) or
+            ``"auto"`` (the fastest exact backend for the device).
+    Grouped-query attention: key/value may have fewer heads (dim -3) than the query when it divides
+    the query's head count; query head ``j`` uses key/value head ``j // (H/Hkv)``.
+    A query row with no key it may attend to returns zeros and zero gradient.
+    """
+    _check_attention_args(query, key, value, attn_mask)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    name = resolve_backend(backend, query, dropout_p)
+    if name == "reference":
+        return reference_attention(query, key, value, attn_mask, is_causal, scale, dropout_p)
+    if name == "sdpa":
+        return _sdpa_attention(query, key, value, attn_mask, is_causal, scale, dropout_p)
+    if dropout_p > 0.0:
+        raise ValueError(
+            f"backend {name!r} does not implement attention dropout (dropout_p={dropout_p}); "
+            "use backend='sdpa' or 'reference', or set dropout_p=0"
+        )
+    if name == "tiled":
+        from tformer.attention_tiled import tiled_attention
+
+        return tiled_attention(query, key, value, attn_mask, is_causal, scale)
+    from tformer.attention_triton import triton_attention
+
+    return triton_attention(query, key, value, attn_mask, is_causal, scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# The softmax Jacobian
+# --------------------------------------------------------------------------------------------------
+def softmax_jacobian(probs: Tensor) -> Tensor:
+    """Jacobian of the softmax at output ``a = softmax(z)``: ``J_ij = da_i/dz_j = a_i (delta_ij - a_j)``.
+
+    Shapes: ``probs (..., n)`` -> ``(..., n, n)``. Diagonal ``a_i (1 - a_i)``, off-diagonal ``-a_i a_j``.
+    When the softmax saturates (one ``a_i -> 1``, the rest ``-> 0``) every entry goes to 0: no gradient
+    flows back to the logits. This is why attention divides the logits by ``sqrt(d_k)``.
+    """
+    return torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Position encodings
+# --------------------------------------------------------------------------------------------------
+def _frequencies(dim: int, base: float, device=None, dtype=torch.float64) -> Tensor:
+    """``omega_i = base^(-2i/dim)`` for ``i = 0 .. dim/2 - 1``."""
+    return base ** (-torch.arange(0, dim, 2, device=device, dtype=dtype) / dim)
+
+
+def sinusoidal_positional_encoding(
+    num_positions: int,
+    d_model: int,
+    base: float = 10000.0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The sinusoidal table of Vaswani et al. (2017, sec. 3.5), shape ``(num_positions, d_model)``.
+
+    ``PE[pos, 2i] = sin(omega_i pos)``, ``PE[pos, 2i+1] = cos(omega_i pos)``, ``omega_i = base^(-2i/d_model)``.
+    Each pair is a point on a circle, so a shift by ``k`` is the fixed rotation
+    ``[[cos(omega_i k), sin(omega_i k)], [-sin(omega_i k), cos(omega_i k)]]`` applied to ``(sin, cos)``,
+    independent of ``pos``. Computed in float64 then cast, so large positions stay accurate.
+    An odd ``d_model`` gets its last (sin) column without a cos partner.
+    """
+    if num_positions < 0 or d_model <= 0:
+        raise ValueError(
+            f"need num_positions >= 0 and d_model > 0; got num_positions={num_positions}, d_model={d_model}"
+        )
+    pos = torch.arange(num_positions, device=device, dtype=torch.float64)[:, None]  # (T, 1)
+    angles = pos * _frequencies(d_model, base, device)[None, :]  # (T, ceil(C/2))
+    pe = torch.empty(num_positions, d_model, device=device, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angles)
+    pe[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return pe.to(dtype)
+
+
+def rotary_cos_sin(positions: Tensor, dim: int, base: float = 10000.0, dtype=torch.float32) -> tuple[Tensor, Tensor]:
+    """``cos(m theta_i)``, ``sin(m theta_i)`` of shape ``positions.shape + (dim/2,)``; angles in float64."""
+    angles = positions.to(torch.float64)[..., None] * _frequencies(dim, base, positions.device)
+    return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+
+
+def apply_rotary(
+    x: Tensor,
+    positions: Tensor | int,
+    base: float = 10000.0,
+    interleaved: bool = True,
+) -> Tensor:
+    """Rotary position embedding (RoPE, Su et al. 2021) on the last dimension of ``x (..., T, D)``.
+
+    Each pair of features ``(x_a, x_b)`` of frequency ``theta_i = base^(-2i/D)`` is rotated by the angle
+    ``m theta_i`` of its position ``m``: ``x_a' = x_a cos - x_b sin``, ``x_b' = x_a sin + x_b cos``.
+    Since ``R(a)^T R(b) = R(b - a)``, the score ``q_m . k_n`` then depends only on ``n - m``.
+
+    Layouts: ``interleaved=True`` pairs ``(x_0, x_1), (x_2, x_3), ...`` (the RoFormer paper, GPT-J);
+    ``interleaved=False`` pairs ``(x_i, x_{i + D/2})`` (the "rotate half" layout of GPT-NeoX and Llama).
+    ``positions``: an int offset (positions ``offset .. offset+T-1``) or a tensor broadcastable to
+    ``x.shape[:-1]`` holding each token's position.
+    """
+    dim = x.shape[-1]
+    if dim % 2:
+        raise ValueError(f"rotary embedding needs an even head dimension; got {dim}")
+    if isinstance(positions, int):
+        positions = torch.arange(positions, positions + x.shape[-2], device=x.device)
+    cos, sin = rotary_cos_sin(positions, dim, base, dtype=x.dtype)  # (..., T, D/2)
+    return rotate_pairs(x, cos, sin, interleaved)
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = True) -> Tensor:
+    """Rotate the feature pairs of ``x (..., T, D)`` by angles given as ``cos``, ``sin`` of shape ``(..., T, D/2)``.
+
+    The step of :func:`apply_rotary` after the angles are known; layers call it with cached tables.
+    """
+    if interleaved:
+        x_a, x_b = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x_a * cos - x_b * sin, x_a * sin + x_b * cos), dim=-1)  # (..., T, D/2, 2)
+        return out.flatten(-2)  # (..., T, D)
+    half = x.shape[-1] // 2
+    x_a, x_b = x[..., :half], x[..., half:]
+    return torch.cat((x_a * cos - x_b * sin, x_a * sin + x_b * cos), dim=-1)

@@ -1,0 +1,347 @@
+"""Layers: multi-head attention, feed-forward, position encodings, and the one residual block.
+
+Shape legend: B batch, T query length, S key length, C d_model, H heads, Hkv key/value heads,
+D head dim (C / H). Masks follow the library convention of :mod:`tformer.functional`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.config import TransformerConfig
+from tformer.functional import (
+    rotary_cos_sin,
+    rotate_pairs,
+    scaled_dot_product_attention,
+    sinusoidal_positional_encoding,
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Key/value cache for incremental decoding
+# --------------------------------------------------------------------------------------------------
+class KVCache:
+    """Keys and values of the positions seen so far by one self-attention layer.
+
+    Storage ``(B, Hkv, capacity, D)`` grows by doubling, so appending one token costs O(1) amortized copies.
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.length = 0
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k, v (B, Hkv, T, D)``; return all keys and values so far ``(B, Hkv, length, D)``."""
+        new_len = self.length + k.shape[-2]
+        if self.k is None or new_len > self.k.shape[-2]:
+            capacity = max(new_len, 2 * (self.k.shape[-2] if self.k is not None else 0), 16)
+            grown_k = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
+            grown_v = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
+            if self.k is not None:
+                grown_k[..., : self.length, :] = self.k[..., : self.length, :]
+                grown_v[..., : self.length, :] = self.v[..., : self.length, :]
+            self.k, self.v = grown_k, grown_v
+        self.k[..., self.length : new_len, :] = k
+        self.v[..., self.length : new_len, :] = v
+        self.length = new_len
+        return self.k[..., :new_len, :], self.v[..., :new_len, :]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (beam search re-ranking)."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+@dataclass
+class LayerCache:
+    """What one block remembers between decoding steps: its self-attention keys/values and, in an
+    encoder-decoder, the cross-attention keys/values of the encoder output (computed once)."""
+
+    self_kv: KVCache = field(default_factory=KVCache)
+    cross_kv: tuple[Tensor, Tensor] | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        self.self_kv.reorder(index)
+        if self.cross_kv is not None:
+            self.cross_kv = (self.cross_kv[0].index_select(0, index), self.cross_kv[1].index_select(0, index))
+
+
+# --------------------------------------------------------------------------------------------------
+# Position encodings
+# --------------------------------------------------------------------------------------------------
+class SinusoidalPositions(nn.Module):
+    """Fixed table ``PE[pos]`` of :func:`tformer.functional.sinusoidal_positional_encoding`, added to the
+    token embeddings. Grown on demand, so any length works."""
+
+    def __init__(self, d_model: int, initial_len: int = 512, base: float = 10000.0) -> None:
+        super().__init__()
+        self.d_model, self.base = d_model, base
+        self.register_buffer("table", sinusoidal_positional_encoding(initial_len, d_model, base), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """``positions (..., T)`` int -> ``(..., T, C)``."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.table.shape[0]:
+            self.table = sinusoidal_positional_encoding(
+                max(needed, 2 * self.table.shape[0]), self.d_model, self.base, device=self.table.device
+            )
+        return self.table[positions]
+
+
+class LearnedPositions(nn.Module):
+    """A trained table of ``max_len`` position vectors (BERT, GPT-2). Longer inputs are an error."""
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(max_len, d_model)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        if positions.numel() and int(positions.max()) >= self.table.num_embeddings:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond max_seq_len={self.table.num_embeddings} of the "
+                "learned position table; shorten the input or build the model with a larger max_seq_len"
+            )
+        return self.table(positions)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE applied to queries and keys inside attention (see :func:`tformer.functional.apply_rotary`).
+
+    Caches ``cos(m theta_i)``, ``sin(m theta_i)`` for positions seen so far (computed in float64).
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = True) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head dimension; got {head_dim}")
+        self.head_dim, self.base, self.interleaved = head_dim, base, interleaved
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    def _tables(self, needed: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        cached = self._cos
+        if cached is None or cached.shape[0] < needed or cached.device != like.device or cached.dtype != like.dtype:
+            length = max(needed, 2 * (cached.shape[0] if cached is not None else 0), 256)
+            positions = torch.arange(length, device=like.device)
+            self._cos, self._sin = rotary_cos_sin(positions, self.head_dim, self.base, like.dtype)
+        return self._cos, self._sin
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``x (B, H, T, D)``, ``positions (T,)`` or ``(B, T)`` -> rotated ``x``."""
+        cos, sin = self._tables(int(positions.max()) + 1 if positions.numel() else 0, x)
+        cos, sin = cos[positions], sin[positions]  # (T, D/2) or (B, T, D/2)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D/2): broadcast over heads
+        return rotate_pairs(x, cos, sin, self.interleaved)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention and feed-forward
+# --------------------------------------------------------------------------------------------------
+class MultiHeadAttention(nn.Module):
+    """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``, ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
+
+    Each of ``W^Q, W^K, W^V, W^O`` is ``d_model x d_model`` (``h`` heads of ``d_k = d_model/h``), so the
+    layer holds ``4 d_model^2`` weights (``+ 4 d_model`` biases) for every head count ``h``. The three
+    input projections are stored as one ``(3C, C)`` matrix (as ``nn.MultiheadAttention``): self-attention
+    does one matmul; cross-attention projects queries from ``x`` and keys/values from ``context``.
+    With ``num_kv_heads < num_heads`` (grouped-query attention) ``W^K, W^V`` shrink to ``C x Hkv*D``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
+        *,
+        num_kv_heads: int | None = None,
+        rotary: RotaryEmbedding | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={num_heads}")
+        self.head_dim = d_model // num_heads
+        self.d_model, self.dropout, self.backend, self.rotary = d_model, dropout, backend, rotary
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)  # rows: W^Q | W^K | W^V
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W^O
+
+    def _heads(self, t: Tensor, heads: int) -> Tensor:
+        B, T, _ = t.shape
+        return t.view(B, T, heads, self.head_dim).transpose(1, 2)  # (B, T, H*D) -> (B, H, T, D)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        *,
+        positions: Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
+        """``x (B, T, C)`` attends to itself (``context=None``) or to ``context (B, S, C)``.
+
+        ``attn_mask`` broadcastable to ``(B, H, T, S)``; ``positions (T,)`` or ``(B, T)`` feed RoPE
+        (self-attention only); ``cache`` holds past keys/values for incremental decoding.
+        """
+        C, kv_dim = self.d_model, self.num_kv_heads * self.head_dim
+        weight, bias = self.in_proj.weight, self.in_proj.bias
+        if context is None:  # self-attention: one matmul for q, k, v
+            q, k, v = self.in_proj(x).split([C, kv_dim, kv_dim], dim=-1)  # (B, T, C), (B, T, Hkv*D) x2
+            q, k, v = (
+                self._heads(q, self.num_heads),
+                self._heads(k, self.num_kv_heads),
+                self._heads(v, self.num_kv_heads),
+            )
+            if self.rotary is not None:
+                if positions is None:
+                    past = cache.self_kv.length if cache is not None else 0
+                    positions = torch.arange(past, past + x.shape[1], device=x.device)
+                q, k = self.rotary(q, positions), self.rotary(k, positions)
+            if cache is not None:
+                k, v = cache.self_kv.update(k, v)  # (B, Hkv, S_past + T, D)
+        else:  # cross-attention: queries from x, keys and values from the context
+            q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), self.num_heads)
+            if cache is not None and cache.cross_kv is not None:
+                k, v = cache.cross_kv
+            else:
+                kv = F.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
+                k, v = (self._heads(t, self.num_kv_heads) for t in kv.split([kv_dim, kv_dim], dim=-1))
+                if cache is not None:
+                    cache.cross_kv = (k, v)
+        out = scaled_dot_product_attention(
+            q, k, v, attn_mask, is_causal,
+            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+        )  # fmt: skip  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], C)  # (B, H, T, D) -> (B, T, C)
+        return self.out_proj(out)
+
+
+class FeedForward(nn.Module):
+    """Position-wise ``FFN(x) = W_2 act(W_1 x + b_1) + b_2`` with ``W_1: C -> d_ff``, ``W_2: d_ff -> C``."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True, dropout: float = 0.0, activation: str = "relu"):
+        super().__init__()
+        self.up = nn.Linear(d_model, d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.activation = F.gelu if activation == "gelu" else F.relu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.dropout(self.activation(self.up(x))))
+
+
+# --------------------------------------------------------------------------------------------------
+# The residual block and the stack
+# --------------------------------------------------------------------------------------------------
+class TransformerBlock(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward: each a residual sublayer.
+
+    Pre-LN (``norm_first=True``):  ``x <- x + F(LN(x))``  -- an identity path from output to input.
+    Post-LN (``norm_first=False``): ``x <- LN(x + F(x))``  -- the 2017 paper; every gradient crosses every LN.
+    """
+
+    def __init__(self, cfg: TransformerConfig, *, cross_attention: bool, rotary: RotaryEmbedding | None = None):
+        super().__init__()
+        self.norm_first = cfg.norm_first
+
+        def attention(rope: RotaryEmbedding | None) -> MultiHeadAttention:
+            return MultiHeadAttention(
+                cfg.d_model, cfg.num_heads, cfg.bias, cfg.dropout,
+                num_kv_heads=cfg.num_kv_heads, rotary=rope, backend=cfg.attn_backend,
+            )  # fmt: skip
+
+        def norm() -> nn.LayerNorm:
+            return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+
+        self.self_attn, self.self_attn_norm = attention(rotary), norm()
+        self.cross_attn = attention(None) if cross_attention else None
+        self.cross_attn_norm = norm() if cross_attention else None
+        self.ff, self.ff_norm = (
+            FeedForward(cfg.d_model, cfg.d_ff, cfg.bias, cfg.dropout, cfg.activation),
+            norm(),
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(norm(x)))
+        return norm(x + self.dropout(sublayer(x)))
+
+    def forward(
+        self,
+        x: Tensor,
+        self_mask: Tensor | None = None,
+        is_causal: bool = False,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        positions: Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
+        """``x (B, T, C)``; ``memory (B, S, C)`` for cross-attention; masks broadcastable to ``(B, H, T, *)``."""
+        x = self._residual(
+            x, self.self_attn_norm,
+            lambda h: self.self_attn(h, None, self_mask, is_causal, positions=positions, cache=cache),
+        )  # fmt: skip
+        if self.cross_attn is not None:
+            if memory is None and (cache is None or cache.cross_kv is None):
+                raise ValueError("this block has cross-attention: pass the encoder output as memory")
+            x = self._residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, memory_mask, cache=cache))
+        return self._residual(x, self.ff_norm, self.ff)
+
+
+class BlockStack(nn.Module):
+    """``num_layers`` blocks; with Pre-LN a final LayerNorm normalizes the residual stream."""
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        num_layers: int,
+        *,
+        cross_attention: bool,
+        rotary: RotaryEmbedding | None,
+    ):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            TransformerBlock(cfg, cross_attention=cross_attention, rotary=rotary) for _ in range(num_layers)
+        )
+        self.final_norm = (
+            nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias) if cfg.norm_first else nn.Identity()
+        )
+
+    def forward(self, x: Tensor, *, caches: list[LayerCache] | None = None, **kwargs) -> Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=None if caches is None else caches[i], **kwargs)
+        return self.final_norm(x)
+
+
+def init_weights(module: nn.Module, num_layers: int, embed_std: float) -> None:
+    """GPT-2 style: linear weights N(0, 0.02); the projections that write into the residual stream
+    (``out_proj``, ``ff.down``) N(0, 0.02/sqrt(2 L)) so the stream's variance does not grow with depth;
+    biases 0; embeddings N(0, embed_std)."""
+    residual_std = 0.02 / math.sqrt(2 * num_layers)
+    for name, p in module.named_parameters():
+        if name.endswith("bias") or "norm" in name:
+            continue
+        if name.endswith(("out_proj.weight", "ff.down.weight")):
+            nn.init.normal_(p, std=residual_std)
+        elif "embed" in name or "positions.table" in name:
+            nn.init.normal_(p, std=embed_std)
+        elif p.dim() >= 2:
+            nn.init.normal_(p, std=0.02)
+    for name, p in module.named_parameters():
+        if name.endswith("bias") and "norm" not in name:
+            nn.init.zeros_(p)

@@ -1,0 +1,246 @@
+"""Models: the encoder, the decoder, the 2017 encoder-decoder Transformer and a GPT-style decoder-only LM.
+
+All are thin compositions of :class:`tformer.layers.BlockStack`. Shape legend: B batch, S source length,
+T target length, C d_model, V vocabulary.
+
+The one mask convention for model inputs: a ``(B, T)`` boolean ``mask`` is ``True`` for a real token
+(which may be attended) and ``False`` for padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from tformer.config import TransformerConfig
+from tformer.functional import causal_mask
+from tformer.layers import (
+    BlockStack,
+    LayerCache,
+    LearnedPositions,
+    RotaryEmbedding,
+    SinusoidalPositions,
+    init_weights,
+)
+
+
+def check_ids(ids: Tensor, cfg: TransformerConfig, name: str = "ids") -> None:
+    """Raise ``ValueError`` unless ``ids`` is a ``(B, T)`` integer tensor of valid token ids."""
+    if ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must be a (batch, time) tensor of integer token ids; got {ids.dtype} {tuple(ids.shape)}"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(
+            f"{name} holds token id {bad}, outside the vocabulary [0, {cfg.vocab_size}); "
+            "check the tokenizer or raise vocab_size"
+        )
+
+
+def _check_mask(mask: Tensor | None, ids: Tensor, name: str) -> None:
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != ids.shape):
+        raise ValueError(
+            f"{name} must be a boolean (batch, time) tensor shaped like the ids {tuple(ids.shape)} "
+            f"(True = real token, False = padding); got {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+def positions_from_mask(mask: Tensor | None, length: int, past: int, device) -> Tensor:
+    """Position of each of the last ``length`` tokens: ``(T,)`` counting from ``past``, or with a padding
+    mask ``(B, past+T)`` the count of real tokens before it, so left padding does not shift positions."""
+    if mask is None:
+        return torch.arange(past, past + length, device=device)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]  # (B, T)
+
+
+def self_attention_mask(mask: Tensor | None, length: int, past: int, causal: bool) -> tuple[Tensor | None, bool]:
+    """The ``(attn_mask, is_causal)`` pair for self-attention of ``length`` new tokens after ``past`` cached ones.
+
+    Without padding and cache, causal attention is the ``is_causal`` flag (PyTorch's fast path). Otherwise a
+    boolean mask ``(B or 1, 1, T, past+T)``: query ``i`` (absolute ``past+i``) may see key ``j`` when
+    ``j <= past+i`` (causal) and ``j`` is a real token.
+    """
+    if mask is None and (past == 0 or not causal):
+        return None, causal
+    keys = past + length
+    allowed = None
+    if causal:
+        allowed = causal_mask(keys, keys, mask.device if mask is not None else None)[past:]  # (T, S)
+    if mask is not None:
+        padding = mask[:, None, None, :]  # (B, 1, 1, S)
+        allowed = padding if allowed is None else padding & allowed
+    return allowed, False
+
+
+class Embedder(nn.Module):
+    """Token embedding (times ``sqrt(C)`` in the 2017 model) plus absolute positions, then dropout."""
+
+    def __init__(self, cfg: TransformerConfig, *, scale: bool, tokens: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tokens = tokens if tokens is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.scale = math.sqrt(cfg.d_model) if scale else 1.0
+        if cfg.position == "sinusoidal":
+            self.positions: nn.Module | None = SinusoidalPositions(cfg.d_model, cfg.max_seq_len)
+        elif cfg.position == "learned":
+            self.positions = LearnedPositions(cfg.max_seq_len, cfg.d_model)
+        else:  # rotary acts inside attention; "none" adds nothing
+            self.positions = None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.tokens(ids) * self.scale  # (B, T) -> (B, T, C)
+        if self.positions is not None:
+            x = x + self.positions(positions)  # (T, C) or (B, T, C)
+        return self.dropout(x)
+
+
+class _EmbeddedStack(nn.Module):
+    """Embedder + BlockStack: the body shared by the encoder, the decoder and the LM."""
+
+    def __init__(self, cfg: TransformerConfig, num_layers: int, *, causal: bool, cross_attention: bool,
+                 scale_embeddings: bool, tokens: nn.Embedding | None = None):  # fmt: skip
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        self.embed = Embedder(cfg, scale=scale_embeddings, tokens=tokens)
+        rotary = (
+            RotaryEmbedding(cfg.head_dim, cfg.rope_base, cfg.rope_interleaved) if cfg.position == "rotary" else None
+        )
+        self.stack = BlockStack(cfg, num_layers, cross_attention=cross_attention, rotary=rotary)
+
+    def _run(self, ids: Tensor, mask: Tensor | None, caches: list[LayerCache] | None, **kwargs) -> Tensor:
+        check_ids(ids, self.cfg)
+        past = caches[0].self_kv.length if caches else 0
+        if mask is not None and mask.shape != (ids.shape[0], past + ids.shape[1]):
+            raise ValueError(
+                f"mask must be (batch, cached + new tokens) = {(ids.shape[0], past + ids.shape[1])}; "
+                f"got {tuple(mask.shape)}"
+            )
+        positions = positions_from_mask(mask, ids.shape[1], past, ids.device)
+        self_mask, is_causal = self_attention_mask(mask, ids.shape[1], past, self.causal)
+        x = self.embed(ids, positions)
+        return self.stack(x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, **kwargs)
+
+    def new_cache(self) -> list[LayerCache]:
+        """An empty key/value cache, one entry per block, for incremental decoding."""
+        return [LayerCache() for _ in self.stack.blocks]
+
+
+class Encoder(_EmbeddedStack):
+    """Encoder self-attention: queries, keys and values all come from the source; no causal mask."""
+
+    def __init__(self, cfg: TransformerConfig, *, tokens: nn.Embedding | None = None, scale_embeddings: bool = True):
+        super().__init__(cfg, cfg.num_layers, causal=False, cross_attention=False,
+                         scale_embeddings=scale_embeddings, tokens=tokens)  # fmt: skip
+
+    def forward(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory ``(B, S, C)``."""
+        _check_mask(src_mask, src_ids, "src_mask")
+        return self._run(src_ids, src_mask, None)
+
+
+class Decoder(_EmbeddedStack):
+    """Masked (causal) self-attention over the target, then cross-attention: queries from the decoder,
+    keys and values from the encoder output (``memory``). Without cross-attention it is a GPT body."""
+
+    def __init__(self, cfg: TransformerConfig, *, tokens: nn.Embedding | None = None,
+                 cross_attention: bool = True, scale_embeddings: bool = True):  # fmt: skip
+        super().__init__(cfg, cfg.decoder_layers if cross_attention else cfg.num_layers, causal=True,
+                         cross_attention=cross_attention, scale_embeddings=scale_embeddings, tokens=tokens)  # fmt: skip
+
+    def forward(
+        self,
+        tgt_ids: Tensor,
+        memory: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+    ) -> Tensor:
+        """``tgt_ids (B, T)``, ``memory (B, S, C)`` -> hidden states ``(B, T, C)``.
+
+        With ``cache`` only the new tokens are given; ``tgt_mask`` then covers cached + new tokens.
+        """
+        if tgt_mask is not None and cache is None:
+            _check_mask(tgt_mask, tgt_ids, "tgt_mask")
+        cross_mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S)
+        return self._run(tgt_ids, tgt_mask, cache, memory=memory, memory_mask=cross_mask)
+
+
+def output_head(cfg: TransformerConfig) -> nn.Linear | None:
+    """A separate ``C x V`` output matrix, or ``None`` when the logits reuse the token embedding (tied)."""
+    return None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+
+def project_logits(h: Tensor, head: nn.Linear | None, tokens: nn.Embedding) -> Tensor:
+    """``logits = h W^T`` with ``W`` the output matrix or, tied, the token embedding ``(V, C)``."""
+    return head(h) if head is not None else torch.nn.functional.linear(h, tokens.weight)  # (B, T, C) -> (B, T, V)
+
+
+class EncoderDecoder(nn.Module):
+    """The Transformer of Vaswani et al. (2017): ``logits = head(Decoder(tgt, Encoder(src)))``.
+
+    Embeddings are scaled by ``sqrt(d_model)``; with ``tie_embeddings`` the source embedding, the target
+    embedding and the output projection share one matrix (one joint vocabulary, as in the paper).
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        shared = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.tie_embeddings else None
+        self.encoder = Encoder(cfg, tokens=shared)
+        self.decoder = Decoder(cfg, tokens=shared)
+        self.head = output_head(cfg)
+        init_weights(self, cfg.num_layers + cfg.decoder_layers, embed_std=cfg.d_model**-0.5)
+
+    def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory ``(B, S, C)``."""
+        return self.encoder(src_ids, src_mask)
+
+    def decode(
+        self,
+        tgt_ids: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+    ) -> Tensor:
+        """``tgt_ids (B, T)`` and ``memory (B, S, C)`` -> logits ``(B, T, V)``."""
+        h = self.decoder(tgt_ids, memory, tgt_mask, src_mask, cache)  # (B, T, C)
+        return project_logits(h, self.head, self.decoder.embed.tokens)
+
+    def forward(
+        self, src_ids: Tensor, tgt_ids: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
+    ) -> Tensor:
+        return self.decode(tgt_ids, self.encode(src_ids, src_mask), src_mask, tgt_mask)
+
+    def new_cache(self) -> list[LayerCache]:
+        return self.decoder.new_cache()
+
+
+class DecoderLM(nn.Module):
+    """GPT-style decoder-only language model: ``logits = head(Decoder(ids))`` with no cross-attention."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.decoder = Decoder(cfg, cross_attention=False, scale_embeddings=False)
+        self.head = output_head(cfg)
+        init_weights(self, cfg.num_layers, embed_std=0.02)
+
+    def forward(self, ids: Tensor, mask: Tensor | None = None, cache: list[LayerCache] | None = None) -> Tensor:
+        """``ids (B, T)`` -> logits ``(B, T, V)``. With ``cache``, ``ids`` are only the new tokens."""
+        if mask is not None and cache is None:
+            _check_mask(mask, ids, "mask")
+        h = self.decoder(ids, tgt_mask=mask, cache=cache)  # (B, T, C)
+        return project_logits(h, self.head, self.decoder.embed.tokens)
+
+    def new_cache(self) -> list[LayerCache]:
+        return self.decoder.new_cache()
+
+
+def num_parameters(module: nn.Module) -> int:
+    """Number of distinct parameters (tied matrices counted once)."""
+    return sum(p.numel() for p in module.parameters())
