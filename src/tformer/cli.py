@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules that register commands; each is imported only when the CLI starts.
-COMMAND_MODULES = ["tformer.demo_cli"]
+COMMAND_MODULES = ["tformer.demo_cli", "tformer.claims", "tformer.experiments.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

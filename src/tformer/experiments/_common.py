@@ -1,0 +1,182 @@
+"""Shared pieces of the experiments: result tables, power-law fits, figures, and a layer's attention weights.
+
+Shape legend: B batch, H heads, T query length, S key length, C d_model, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tformer.functional import attention_weights
+from tformer.layers import MultiHeadAttention
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+FIGURE_DPI = 90  # small PNGs: the committed report stays well under 2 MB
+
+
+@dataclass(frozen=True)
+class Table:
+    """A small table of already formatted cells, printed as Markdown (readable in a terminal too)."""
+
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    title: str = ""
+
+    def __post_init__(self) -> None:
+        for row in self.rows:
+            if len(row) != len(self.columns):
+                raise ValueError(f"table {self.title!r}: row {row} has {len(row)} cells, expected {len(self.columns)}")
+
+    def markdown(self) -> str:
+        """GitHub Markdown; a ``|`` inside a cell is escaped."""
+        columns = tuple(c.replace("|", "\\|") for c in self.columns)
+        rows = tuple(tuple(c.replace("|", "\\|") for c in r) for r in self.rows)
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+
+        def line(cells: Sequence[str]) -> str:
+            return "| " + " | ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)) + " |"
+
+        lines = [f"**{self.title}**", ""] if self.title else []
+        lines += [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        lines += [line(r) for r in rows]
+        return "\n".join(lines)
+
+
+class ExperimentResult(Protocol):
+    """What every experiment returns: its figures as data, plus ways to show them."""
+
+    def tables(self) -> list[Table]: ...
+
+    def findings(self) -> list[str]:
+        """One sentence per measured figure that bears on the claim."""
+        ...
+
+    def plot(self, out_dir: Path) -> list[Path]:
+        """Write the experiment's PNG(s) into ``out_dir``; return their paths."""
+        ...
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    """``x`` with ``digits`` significant digits; scientific notation for very small or large magnitudes."""
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
+    if 10**digits <= abs(x) < 1e6:
+        return f"{x:.0f}"
+    if 1e-3 <= abs(x) < 10**digits:
+        return f"{x:.{digits}g}"
+    return f"{x:.{max(digits - 1, 0)}e}"
+
+
+def fit_power_law(x: Sequence[float], y: Sequence[float]) -> float:
+    """Exponent ``p`` of ``y ~ c x^p``: the least-squares slope of ``log y`` against ``log x``.
+
+    Needs at least two points with distinct ``x``, all positive.
+    """
+    xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if xs.shape != ys.shape or xs.size < 2 or np.unique(xs).size < 2:
+        raise ValueError(f"a power-law fit needs >= 2 points with distinct x; got x={list(xs)}, y={list(ys)}")
+    if (xs <= 0).any() or (ys <= 0).any():
+        raise ValueError(f"a power-law fit needs positive x and y; got x={list(xs)}, y={list(ys)}")
+    slope, _ = np.polyfit(np.log(xs), np.log(ys), 1)
+    return float(slope)
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (4.2, 3.4)) -> tuple[Figure, np.ndarray]:
+    """A figure of ``nrows x ncols`` panels (each ``size`` inches) on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False)
+    return fig, axes
+
+
+def save_figure(fig: Figure, out_dir: Path, name: str) -> Path:
+    """Save ``fig`` as ``out_dir/name.png`` and close it."""
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=FIGURE_DPI)
+    plt.close(fig)
+    return path
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread inside the block (restored after).
+
+    For the tiny models the experiments train, thread synchronisation costs more than it saves: on a shared
+    2-core machine two threads made a 6-layer LM step 6x slower than one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def layer_queries_keys(
+    mha: MultiHeadAttention, x: Tensor, context: Tensor | None = None, *, positions: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The per-head queries ``(B, H, T, D)`` and keys ``(B, Hkv, S, D)`` that ``mha`` computes for one call.
+
+    Recomputed from the layer's own weights: ``Q = x W^Q``, ``K = context W^K`` (``context = x`` for
+    self-attention), then RoPE when the layer has it. Arguments mirror :meth:`MultiHeadAttention.forward`.
+    """
+    C, D = mha.d_model, mha.head_dim
+    kv_dim = mha.num_kv_heads * D
+    weight, bias = mha.in_proj.weight, mha.in_proj.bias
+    source = x if context is None else context
+    q = F.linear(x, weight[:C], None if bias is None else bias[:C])  # (B, T, C)
+    k = F.linear(source, weight[C : C + kv_dim], None if bias is None else bias[C : C + kv_dim])  # (B, S, Hkv*D)
+    B, T, S = x.shape[0], x.shape[1], source.shape[1]
+    q = q.view(B, T, mha.num_heads, D).transpose(1, 2)  # (B, T, H*D) -> (B, H, T, D)
+    k = k.view(B, S, mha.num_kv_heads, D).transpose(1, 2)  # (B, S, Hkv*D) -> (B, Hkv, S, D)
+    if mha.rotary is not None and context is None:
+        pos = torch.arange(T, device=x.device) if positions is None else positions
+        q, k = mha.rotary(q, pos), mha.rotary(k, pos)
+    return q, k
+
+
+@torch.no_grad()
+def layer_attention_probs(
+    mha: MultiHeadAttention,
+    x: Tensor,
+    context: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    *,
+    positions: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """The attention probabilities ``A (B, H, T, S)`` inside ``mha`` for the inputs of one forward call.
+
+    :func:`tformer.functional.attention_weights` on :func:`layer_queries_keys`, with the same mask and
+    ``scale`` (default ``1/sqrt(D)`` as in the layer; ``scale=1.0`` is "unscaled").
+    """
+    q, k = layer_queries_keys(mha, x, context, positions=positions)
+    return attention_weights(q, k, attn_mask, is_causal, scale)  # (B, H, T, S)
+
+
+def entropy(probs: Tensor) -> Tensor:
+    """Shannon entropy ``-sum_j a_j log a_j`` (nats) of each row of ``probs (..., S)``; ``0 log 0 = 0``."""
+    return -(probs * torch.log(probs.clamp_min(torch.finfo(probs.dtype).tiny))).sum(-1)

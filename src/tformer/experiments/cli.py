@@ -1,0 +1,73 @@
+"""``tformer experiment NAME`` and ``tformer report``: thin skins over :mod:`tformer.experiments`.
+
+tformer experiment scaling --out out/experiments     # one experiment: prints its table, writes its PNG
+tformer experiment --list                            # the experiments and the questions they answer
+tformer report --out docs/report [--quick]           # all of them, and report.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tformer.experiments import EXPERIMENTS, load
+from tformer.experiments.report import format_console, run_and_plot, write_report
+
+
+def add_cli(subparsers) -> None:
+    names = ", ".join(EXPERIMENTS)
+    p = subparsers.add_parser(
+        "experiment",
+        help="run one experiment that checks a claim of the source document (table + PNG)",
+        description=f"Run one experiment: print its table and measured figures, write its PNG. Known: {names}.",
+    )
+    p.add_argument("name", nargs="?", metavar="NAME", help=f"one of: {names}")
+    p.add_argument("--list", action="store_true", help="list the experiments and the questions they answer")
+    p.add_argument("--out", type=Path, default=Path("out/experiments"), help="folder for the PNG(s)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds) instead of the report's")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: each experiment's own)")
+    p.set_defaults(func=_run_experiment)
+
+    r = subparsers.add_parser(
+        "report",
+        help="run every experiment and write report.md with all tables and pictures",
+        description="Run every experiment and write OUT/report.md (one section per question of the source).",
+    )
+    r.add_argument("--out", type=Path, default=Path("out/report"), help="folder for report.md and the PNGs")
+    r.add_argument("--quick", action="store_true", help="tiny sizes: seconds instead of minutes")
+    r.add_argument("--only", default=None, help=f"comma-separated subset of: {names}")
+    r.add_argument("--seed", type=int, default=None, help="random seed (default: each experiment's own)")
+    r.set_defaults(func=_run_report)
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    if args.list:
+        for name in EXPERIMENTS:
+            module = load(name)
+            print(f"{name:<15} {module.QUESTION:<13} {module.TITLE}")
+        return 0
+    if args.name is None:
+        print(f"tformer experiment: give an experiment NAME (one of: {', '.join(EXPERIMENTS)}) or --list",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        load(args.name)
+    except ValueError as exc:
+        print(f"tformer experiment: {exc}", file=sys.stderr)
+        return 2
+    run = run_and_plot(args.name, args.out, "quick" if args.quick else "report", args.seed)
+    print(format_console(run))
+    return 0
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    names = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    try:
+        for name in names or []:
+            load(name)
+    except ValueError as exc:
+        print(f"tformer report: {exc}", file=sys.stderr)
+        return 2
+    write_report(args.out, "quick" if args.quick else "report", names, args.seed)
+    return 0
