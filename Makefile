@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tformer demo
+	$(BIN)/tformer train-demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

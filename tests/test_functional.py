@@ -99,9 +99,7 @@ def test_masking_after_softmax_is_wrong():
     before = tf.attention_weights(q, k, is_causal=True)
     torch.testing.assert_close(before.sum(-1), torch.ones(1, 6, dtype=torch.float64))
     assert torch.equal(before.triu(1), torch.zeros_like(before))
-    after = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1) * tf.causal_mask(
-        6, 6
-    )  # the wrong variant
+    after = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1) * tf.causal_mask(6, 6)  # the wrong variant
     row_sums = after.sum(-1)
     assert (row_sums[0, :-1] < 1 - 1e-6).all()  # every row but the last lost mass to the future
     torch.testing.assert_close(row_sums[0, -1], torch.tensor(1.0, dtype=torch.float64))
@@ -137,8 +135,7 @@ def test_softmax_jacobian_vanishes_as_logits_saturate():
     """Source Q1(b): scaling the logits up saturates the softmax and the Jacobian goes to 0."""
     z = _rand(16, seed=5)
     norms = [
-        torch.linalg.matrix_norm(tf.softmax_jacobian(torch.softmax(c * z, -1))).item()
-        for c in (1, 4, 16, 64, 256)
+        torch.linalg.matrix_norm(tf.softmax_jacobian(torch.softmax(c * z, -1))).item() for c in (1, 4, 16, 64, 256)
     ]
     assert all(b < a for a, b in zip(norms[1:], norms[2:]))  # strictly falling once past the O(1) regime
     assert norms[-1] < 1e-12 < norms[0]

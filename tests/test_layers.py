@@ -74,9 +74,7 @@ def test_encoder_block_equals_torch_encoder_layer(norm_first):
     torch.manual_seed(1)
     d, h, ff = 32, 4, 64
     cfg = TransformerConfig.tiny(d_model=d, num_heads=h, d_ff=ff, norm_first=norm_first)
-    theirs = nn.TransformerEncoderLayer(
-        d, h, ff, dropout=0.0, batch_first=True, norm_first=norm_first
-    ).double()
+    theirs = nn.TransformerEncoderLayer(d, h, ff, dropout=0.0, batch_first=True, norm_first=norm_first).double()
     ours = TransformerBlock(cfg, cross_attention=False).double()
     _copy_block(ours, theirs, decoder=False)
     x = torch.randn(2, 9, d, dtype=torch.float64)
@@ -92,9 +90,7 @@ def test_decoder_block_equals_torch_decoder_layer(norm_first):
     torch.manual_seed(2)
     d, h, ff = 32, 4, 64
     cfg = TransformerConfig.tiny(d_model=d, num_heads=h, d_ff=ff, norm_first=norm_first)
-    theirs = nn.TransformerDecoderLayer(
-        d, h, ff, dropout=0.0, batch_first=True, norm_first=norm_first
-    ).double()
+    theirs = nn.TransformerDecoderLayer(d, h, ff, dropout=0.0, batch_first=True, norm_first=norm_first).double()
     ours = TransformerBlock(cfg, cross_attention=True).double()
     _copy_block(ours, theirs, decoder=True)
     tgt, memory = torch.randn(2, 6, d, dtype=torch.float64), torch.randn(2, 8, d, dtype=torch.float64)

@@ -5,13 +5,19 @@ Layers of the package (dependencies point one way):
 """
 
 from tformer import functional
+from tformer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from tformer.config import TransformerConfig
+from tformer.generate import beam_search, greedy_seq2seq
 from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
 from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
+from tformer.sampling import generate
+from tformer.train import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
     "Decoder",
     "DecoderLM",
     "Encoder",
@@ -20,8 +26,15 @@ __all__ = [
     "KVCache",
     "LayerCache",
     "MultiHeadAttention",
+    "TrainConfig",
+    "TrainResult",
     "TransformerBlock",
     "TransformerConfig",
+    "beam_search",
     "functional",
+    "generate",
+    "greedy_seq2seq",
+    "load_checkpoint",
     "num_parameters",
+    "train",
 ]

@@ -11,7 +11,13 @@ import importlib
 import sys
 
 # Modules that register commands; each is imported only when the CLI starts.
-COMMAND_MODULES = ["tformer.demo_cli", "tformer.claims", "tformer.experiments.cli"]
+COMMAND_MODULES = [
+    "tformer.demo_cli",
+    "tformer.train_cli",
+    "tformer.claims",
+    "tformer.experiments.cli",
+    "tformer.sample_cli",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

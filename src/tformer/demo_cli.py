@@ -9,9 +9,7 @@ from tformer.tasks import SequenceTask
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo", help="train a small encoder-decoder to reverse sequences (about a minute)"
-    )
+    p = subparsers.add_parser("demo", help="train a small encoder-decoder to reverse sequences (about a minute)")
     p.add_argument("--task", default="reverse", choices=["reverse", "sort", "copy"])
     p.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
     p.add_argument("--batch-size", type=int, default=64)

@@ -197,23 +197,23 @@ class MultiHeadAttention(nn.Module):
         ``attn_mask`` broadcastable to ``(B, H, T, S)``; ``positions (T,)`` or ``(B, T)`` feed RoPE
         (self-attention only); ``cache`` holds past keys/values for incremental decoding.
         """
-        C, kv_dim = self.d_model, self.num_kv_heads * self.head_dim
-        weight, bias = self.in_proj.weight, self.in_proj.bias
+        B, T, C = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        kv_dim = Hkv * D
         if context is None:  # self-attention: one matmul for q, k, v
-            q, k, v = self.in_proj(x).split([C, kv_dim, kv_dim], dim=-1)  # (B, T, C), (B, T, Hkv*D) x2
-            q, k, v = (
-                self._heads(q, self.num_heads),
-                self._heads(k, self.num_kv_heads),
-                self._heads(v, self.num_kv_heads),
-            )
+            q, k, v = self.in_proj(x).split_with_sizes([C, kv_dim, kv_dim], dim=-1)  # (B, T, C), (B, T, Hkv*D) x2
+            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
             if self.rotary is not None:
                 if positions is None:
                     past = cache.self_kv.length if cache is not None else 0
-                    positions = torch.arange(past, past + x.shape[1], device=x.device)
+                    positions = torch.arange(past, past + T, device=x.device)
                 q, k = self.rotary(q, positions), self.rotary(k, positions)
             if cache is not None:
                 k, v = cache.self_kv.update(k, v)  # (B, Hkv, S_past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
+            weight, bias = self.in_proj.weight, self.in_proj.bias
             q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), self.num_heads)
             if cache is not None and cache.cross_kv is not None:
                 k, v = cache.cross_kv
@@ -226,7 +226,7 @@ class MultiHeadAttention(nn.Module):
             q, k, v, attn_mask, is_causal,
             dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
         )  # fmt: skip  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], C)  # (B, H, T, D) -> (B, T, C)
+        out = out.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
         return self.out_proj(out)
 
 
@@ -241,7 +241,8 @@ class FeedForward(nn.Module):
         self.activation = F.gelu if activation == "gelu" else F.relu
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(self.dropout(self.activation(self.up(x))))
+        h = self.activation(self.up(x))
+        return self.down(self.dropout(h) if self.training else h)  # eval: skip the call (decoding is per-call bound)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,10 +277,13 @@ class TransformerBlock(nn.Module):
         )
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer) -> Tensor:
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer: nn.Module, *args, **kwargs) -> Tensor:
+        """``x + F(LN(x))`` or ``LN(x + F(x))`` with ``F(h) = sublayer(h, *args, **kwargs)``."""
         if self.norm_first:
-            return x + self.dropout(sublayer(norm(x)))
-        return norm(x + self.dropout(sublayer(x)))
+            h = sublayer(norm(x), *args, **kwargs)
+            return x + (self.dropout(h) if self.training else h)  # eval: skip the call (decoding is per-call bound)
+        h = sublayer(x, *args, **kwargs)
+        return norm(x + (self.dropout(h) if self.training else h))
 
     def forward(
         self,
@@ -292,14 +296,12 @@ class TransformerBlock(nn.Module):
         cache: LayerCache | None = None,
     ) -> Tensor:
         """``x (B, T, C)``; ``memory (B, S, C)`` for cross-attention; masks broadcastable to ``(B, H, T, *)``."""
-        x = self._residual(
-            x, self.self_attn_norm,
-            lambda h: self.self_attn(h, None, self_mask, is_causal, positions=positions, cache=cache),
-        )  # fmt: skip
+        x = self._residual(x, self.self_attn_norm, self.self_attn, None, self_mask, is_causal,
+                           positions=positions, cache=cache)  # fmt: skip
         if self.cross_attn is not None:
             if memory is None and (cache is None or cache.cross_kv is None):
                 raise ValueError("this block has cross-attention: pass the encoder output as memory")
-            x = self._residual(x, self.cross_attn_norm, lambda h: self.cross_attn(h, memory, memory_mask, cache=cache))
+            x = self._residual(x, self.cross_attn_norm, self.cross_attn, memory, memory_mask, cache=cache)
         return self._residual(x, self.ff_norm, self.ff)
 
 

@@ -32,8 +32,9 @@ def check_ids(ids: Tensor, cfg: TransformerConfig, name: str = "ids") -> None:
         raise ValueError(
             f"{name} must be a (batch, time) tensor of integer token ids; got {ids.dtype} {tuple(ids.shape)}"
         )
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)  # one reduction, not two
+    if low < 0 or high >= cfg.vocab_size:
+        bad = low if low < 0 else high
         raise ValueError(
             f"{name} holds token id {bad}, outside the vocabulary [0, {cfg.vocab_size}); "
             "check the tokenizer or raise vocab_size"
@@ -63,6 +64,7 @@ def self_attention_mask(mask: Tensor | None, length: int, past: int, causal: boo
     boolean mask ``(B or 1, 1, T, past+T)``: query ``i`` (absolute ``past+i``) may see key ``j`` when
     ``j <= past+i`` (causal) and ``j`` is a real token.
     """
+    causal = causal and length > 1  # one new token may see every key up to itself: no causal part needed
     if mask is None and (past == 0 or not causal):
         return None, causal
     keys = past + length
@@ -92,10 +94,12 @@ class Embedder(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
-        x = self.tokens(ids) * self.scale  # (B, T) -> (B, T, C)
+        x = self.tokens(ids)  # (B, T) -> (B, T, C)
+        if self.scale != 1.0:
+            x = x * self.scale
         if self.positions is not None:
             x = x + self.positions(positions)  # (T, C) or (B, T, C)
-        return self.dropout(x)
+        return self.dropout(x) if self.training else x
 
 
 class _EmbeddedStack(nn.Module):

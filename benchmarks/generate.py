@@ -1,0 +1,133 @@
+"""Generation speed: tformer with the KV cache, without it, and Hugging Face ``GPT2LMHeadModel.generate``.
+
+Same sizes on both sides (random weights; nothing is copied): 4 layers, 4 heads, d_model 128, d_ff 512,
+a 65-token character vocabulary, 256 learned positions, tied embeddings, Pre-LN, GELU (HF: its default
+tanh-approximated GELU). Batch 1, a 16-token prompt, 200 new tokens, greedy.
+
+Two comparisons: without any stop condition (HF with no EOS token: its fastest path, no per-step check), and
+with an EOS id checked every step on both sides (an id the greedy output never holds, so all 200 tokens are
+made). At this size a decode step is a few hundred microseconds of small kernels, so what is measured is
+mostly per-step Python and dispatch overhead. The runs are interleaved, each ``--repeats`` times, and the best
+(shortest) time of each is reported: the one least disturbed by other load on the machine.
+
+Run:  OMP_NUM_THREADS=1 python benchmarks/generate.py   (needs the ``bench`` extra: ``pip install transformers``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from tformer import DecoderLM, TransformerConfig
+from tformer.sampling import generate
+
+
+def tformer_model(args: argparse.Namespace) -> DecoderLM:
+    cfg = TransformerConfig(
+        vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
+        d_ff=4 * args.d_model, max_seq_len=args.positions, position="learned", activation="gelu",
+        norm_first=True, tie_embeddings=True,
+    )  # fmt: skip
+    return DecoderLM(cfg).eval()
+
+
+def hf_model(args: argparse.Namespace):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    cfg = GPT2Config(
+        vocab_size=args.vocab, n_positions=args.positions, n_embd=args.d_model, n_layer=args.layers,
+        n_head=args.heads, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def unused_token(tokens: list[int], vocab: int) -> int:
+    """A token id absent from ``tokens``: as EOS it is checked every step but never ends the run early."""
+    return next(t for t in range(vocab) if t not in set(tokens))
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=65)
+    p.add_argument("--positions", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--new", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face (transformers not installed)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, args.vocab, (1, args.prompt))
+    ours = tformer_model(args)
+    n = args.new
+    ours_eos = unused_token(generate(ours, prompt, max_new_tokens=n, greedy=True)[0], args.vocab)
+
+    def ours_run(**kwargs) -> Callable[[], object]:
+        def run():
+            out = generate(ours, prompt, max_new_tokens=n, greedy=True, **kwargs)
+            assert len(out[0]) == n
+
+        return run
+
+    # (name, run, name of the Hugging Face run it is compared with)
+    runs: list[tuple[str, Callable[[], object], str]] = [
+        ("tformer, KV cache", ours_run(), "HF generate"),
+        ("tformer, KV cache, EOS checked each step", ours_run(eos_id=ours_eos), "HF generate, EOS checked each step"),
+        ("tformer, no cache (full recompute)", ours_run(use_cache=False), "HF generate"),
+    ]
+    if not args.no_hf:
+        hf = hf_model(args)
+        attention = torch.ones_like(prompt)
+
+        def hf_run(**kwargs) -> Callable[[], object]:
+            def run():
+                with torch.inference_mode():
+                    out = hf.generate(prompt, attention_mask=attention, max_new_tokens=n, do_sample=False, **kwargs)
+                assert out.shape[1] == args.prompt + n
+                return out
+
+            return run
+
+        hf_eos = unused_token(hf_run()()[0, args.prompt :].tolist(), args.vocab)
+        runs += [
+            ("HF generate", hf_run(), ""),
+            ("HF generate, EOS checked each step", hf_run(eos_token_id=hf_eos, pad_token_id=hf_eos), ""),
+        ]
+    for _, run, _ in runs:  # warm-up: first-call allocations, lazy initialisation
+        run()
+    best = {name: float("inf") for name, _, _ in runs}
+    for _ in range(args.repeats):  # interleaved, so slow phases of the machine hit every run alike
+        for name, run, _ in runs:
+            best[name] = min(best[name], _timed(run))
+    versions = f"torch {torch.__version__}"
+    if not args.no_hf:
+        import transformers
+
+        versions += f", transformers {transformers.__version__}"
+    print(f"{platform.machine()}, {torch.get_num_threads()} thread(s), {versions}")
+    print(f"batch 1, prompt {args.prompt}, {n} new tokens, greedy; best of {args.repeats} interleaved runs\n")
+    print("| run | tokens/s | ms/token | vs its HF run |")
+    print("|---|---:|---:|---:|")
+    for name, _, reference in runs:
+        ratio = f"{best[reference] / best[name]:.2f}x" if reference in best else "-"
+        print(f"| {name} | {n / best[name]:,.0f} | {1000 * best[name] / n:.3f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

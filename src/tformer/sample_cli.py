@@ -1,0 +1,194 @@
+"""``tformer sample`` and ``tformer translate``: thin skins over :func:`tformer.sampling.generate` and
+:func:`tformer.generate.beam_search` for a saved checkpoint.
+
+``tformer sample --checkpoint DIR --prompt TEXT`` prints the prompt, then streams the continuation of a language
+model to stdout as tokens are made. ``tformer translate --checkpoint DIR`` reads source lines from stdin and
+prints one output line per input line (beam search; ``--beam-size 1 --length-penalty 0`` is greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import TextIO
+
+import torch
+
+from tformer.generate import beam_search
+from tformer.sampling import generate
+
+DEFAULT_NEW_TOKENS = 200
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "sample", help="continue a prompt with a trained language model, streaming to stdout",
+        description="Sample from a language-model checkpoint. Tokens are printed as they are made; text that could "
+        "begin a --stop string is held back until it cannot.",
+    )  # fmt: skip
+    p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
+    p.add_argument("--prompt", required=True, help="the text to continue (must encode to at least one token)")
+    more = f"tokens to generate (default {DEFAULT_NEW_TOKENS}, fewer if the learned positions end sooner)"
+    p.add_argument("--max-new-tokens", type=int, default=None, help=more)
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature > 0 (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus: the most likely tokens holding mass >= p")
+    p.add_argument("--greedy", action="store_true", help="always the most likely token (ignores the three above)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: unseeded)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="end when the generated text contains STR (not printed); repeatable")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
+    p.set_defaults(func=_run_sample)
+
+    t = subparsers.add_parser(
+        "translate", help="translate stdin line by line with a seq2seq checkpoint (beam search)",
+        description="Read source lines from stdin; print one output line per input line. An empty line gives an "
+        "empty line.",
+    )  # fmt: skip
+    t.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
+    t.add_argument("--beam-size", type=int, default=4, help="beams per source (default 4; 1 = greedy)")
+    alpha = "GNMT alpha: score log P / ((5 + |Y|)/6)^alpha (default 0.6; 0 = plain log-probability)"
+    t.add_argument("--length-penalty", type=float, default=0.6, help=alpha)
+    t.add_argument("--max-new-tokens", type=int, default=None,
+                   help="longest output in tokens, EOS included (default: the model's max_seq_len)")  # fmt: skip
+    t.add_argument("--batch-size", type=int, default=32, help="lines decoded together when stdin is not a terminal")
+    t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
+    t.set_defaults(func=_run_translate)
+
+
+def _load(path: str, kind: str, device: str, command: str):
+    from tformer.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path, map_location=device)
+    if ckpt.kind != kind:
+        other = "translate" if kind == "lm" else "sample"
+        raise ValueError(f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} "
+                         f"(use `tformer {other}`)")  # fmt: skip
+    return ckpt
+
+
+def _errors(command: str, run: Callable[[], int]) -> int:
+    from tformer.checkpoint import CheckpointError
+
+    try:
+        return run()
+    except (ValueError, CheckpointError) as err:
+        print(f"tformer {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+# --------------------------------------------------------------------------------------------------
+# sample
+# --------------------------------------------------------------------------------------------------
+class TextStream:
+    """Writes the text of a growing token list as it grows: only the new characters each time, and never a
+    trailing U+FFFD that may be half of a multi-byte character still being generated."""
+
+    def __init__(self, tokenizer, out: TextIO) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.written = 0
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        self._write(final=False)
+
+    def _write(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.tokens)
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        if end > self.written:
+            self.out.write(text[self.written : end])
+            self.out.flush()
+            self.written = end
+
+    def close(self) -> None:
+        self._write(final=True)
+
+
+def sample_to(out: TextIO, ckpt, prompt: str, *, max_new_tokens: int | None = None, **sampling) -> list[int]:
+    """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids."""
+    tokenizer, cfg = ckpt.tokenizer, ckpt.model.cfg
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+    if max_new_tokens is None:
+        room = cfg.max_seq_len - len(ids) if cfg.position == "learned" else DEFAULT_NEW_TOKENS
+        max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, room))
+    out.write(prompt)
+    out.flush()
+    stream = TextStream(tokenizer, out)
+    new = generate(ckpt.model, [ids], max_new_tokens=max_new_tokens, tokenizer=tokenizer,
+                   eos_id=getattr(tokenizer, "eos_id", None), on_token=lambda _row, tok: stream.push(tok),
+                   **sampling)[0]  # fmt: skip
+    stream.close()
+    out.write("\n")
+    out.flush()
+    return new
+
+
+def _run_sample(args: argparse.Namespace) -> int:
+    def run() -> int:
+        ckpt = _load(args.checkpoint, "lm", args.device, "sample")
+        sample_to(sys.stdout, ckpt, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, seed=args.seed,
+                  stop=args.stop or None)  # fmt: skip
+        return 0
+
+    return _errors("sample", run)
+
+
+# --------------------------------------------------------------------------------------------------
+# translate
+# --------------------------------------------------------------------------------------------------
+def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line.rstrip("\r\n"))
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def translate_lines(ckpt, lines: list[str], *, beam_size: int = 4, length_penalty: float = 0.6,
+                    max_new_tokens: int | None = None) -> list[str]:  # fmt: skip
+    """Beam-search outputs of ``lines`` (one string each; an empty line gives ``""``)."""
+    tokenizer, model = ckpt.tokenizer, ckpt.model
+    device = next(model.parameters()).device
+    encoded = [tokenizer.encode(line) for line in lines]
+    present = [i for i, ids in enumerate(encoded) if ids]
+    outputs = [""] * len(lines)
+    if not present:
+        return outputs
+    longest = max(len(encoded[i]) for i in present)
+    src = torch.full((len(present), longest), tokenizer.pad_id or 0, dtype=torch.long)
+    src_mask = torch.zeros(len(present), longest, dtype=torch.bool)  # right-padded: True = real token
+    for row, i in enumerate(present):
+        src[row, : len(encoded[i])] = torch.tensor(encoded[i])
+        src_mask[row, : len(encoded[i])] = True
+    decoded = beam_search(model, src.to(device), src_mask.to(device), beam_size=beam_size,
+                          length_penalty=length_penalty, max_new_tokens=max_new_tokens or model.cfg.max_seq_len,
+                          bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)  # fmt: skip
+    for row, i in enumerate(present):
+        outputs[i] = tokenizer.decode(decoded[row])
+    return outputs
+
+
+def _run_translate(args: argparse.Namespace) -> int:
+    def run() -> int:
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
+        ckpt = _load(args.checkpoint, "seq2seq", args.device, "translate")
+        if ckpt.tokenizer.bos_id is None or ckpt.tokenizer.eos_id is None:
+            raise ValueError(f"{ckpt.path}: the tokenizer has no <bos>/<eos> tokens; it is not a seq2seq tokenizer")
+        size = 1 if sys.stdin.isatty() else args.batch_size  # at a terminal answer each line at once
+        for chunk in _chunks(sys.stdin, size):
+            for line in translate_lines(ckpt, chunk, beam_size=args.beam_size, length_penalty=args.length_penalty,
+                                        max_new_tokens=args.max_new_tokens):  # fmt: skip
+                sys.stdout.write(line.replace("\n", " ") + "\n")
+            sys.stdout.flush()
+        return 0
+
+    return _errors("translate", run)

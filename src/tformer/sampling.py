@@ -1,0 +1,371 @@
+"""Sampling from a decoder-only LM: pure logit filters, and ``generate`` with a key/value cache.
+
+One step turns the next-token logits ``z (B, V)`` into a token per row, in this order (as Hugging Face):
+
+    greedy        y = argmax_i z_i                                   (first index on ties)
+    temperature   z <- z / T                  T < 1 sharpens, T > 1 flattens, T -> 0 is greedy
+    top-k         keep the k largest z_i, the rest -> -inf          (Fan et al. 2018)
+    top-p         keep the smallest set of most probable tokens whose probability sums to >= p,
+                  the rest -> -inf; the most probable token is always kept  (nucleus, Holtzman et al. 2020)
+    sample        y ~ softmax(z)
+
+``generate`` prefills the prompt once, then feeds one token per row per step; every block keeps its keys and
+values (:class:`tformer.layers.KVCache`). Prompts of different lengths are LEFT-padded and masked, so every row's
+newest token sits in the last column and positions count only real tokens (``tformer.models.positions_from_mask``).
+
+Shape legend: B batch, P padded prompt length, N generated tokens so far, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from tformer.models import DecoderLM
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure filters on logits (..., V)
+# --------------------------------------------------------------------------------------------------
+def check_sampling_args(
+    temperature: float, top_k: int | None, top_p: float | None, greedy: bool
+) -> None:  # fmt: skip
+    """Raise ``ValueError`` for settings that define no distribution."""
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling (use greedy=True for T -> 0); got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 (or None for no limit); got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (or None for no limit); got {top_p!r}")
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """``z / T``: ``softmax(z / T)_i`` is proportional to ``p_i^(1/T)``."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep exactly the ``min(k, V)`` largest logits of each row (ties broken as ``torch.topk``); others ``-inf``."""
+    if k < 1:
+        raise ValueError(f"top_k must be >= 1; got {k}")
+    if k >= logits.shape[-1]:
+        return logits
+    kept = logits.topk(k, dim=-1)  # (..., k)
+    return torch.full_like(logits, NEG_INF).scatter(-1, kept.indices, kept.values)
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter: keep the smallest set of most probable tokens whose total probability is ``>= p``.
+
+    Sort descending, ``p_(1) >= p_(2) >= ...``; token ``(i)`` is kept iff ``sum_{j<i} p_(j) < p`` (the mass
+    before it has not yet reached ``p``), so the most probable token is always kept. Probabilities are summed
+    in float64. ``p = 1`` keeps every token.
+    """
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1]; got {p}")
+    if p == 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
+    probs = sorted_logits.double().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # (..., V): sum_{j<i} p_(j)
+    drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def filter_logits(
+    logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> Tensor:
+    """Temperature, then top-k, then top-p: the logits whose softmax is the sampling distribution."""
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return logits
+
+
+def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) -> Tensor:
+    """Draw one token per row ``y_b ~ softmax(logits_b)``: ``(B, V) -> (B,)``.
+
+    With ``generators`` (one per row) row ``b`` draws only from ``generators[b]``, so its token does not
+    depend on the other rows of the batch. Tokens with logit ``-inf`` (probability 0) are never drawn.
+    """
+    probs = logits.float().softmax(dim=-1)  # (B, V)
+    if generators is None:
+        return torch.multinomial(probs, 1)[:, 0]
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"need one generator per row: {probs.shape[0]} rows, {len(generators)} generators")
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)])
+
+
+# --------------------------------------------------------------------------------------------------
+# Stop conditions
+# --------------------------------------------------------------------------------------------------
+class Stopper:
+    """When a row's generated tokens end generation, and which of them may already be shown.
+
+    A row ends at ``eos_id``, at a stop sequence of token ids, or when its generated text contains a stop
+    string (text stops need a tokenizer; only the generated text is searched, not the prompt). The EOS and
+    the stop sequence/string are not part of the output. A stop string is cut on token boundaries: the kept
+    tokens are the longest prefix whose text ends before the stop string, so with multi-character tokens the
+    text of a token that straddles the stop string's start is lost with it.
+    """
+
+    def __init__(self, stop: Sequence[str | Sequence[int]] | None, eos_id: int | None, tokenizer=None) -> None:
+        self.eos_id = eos_id
+        self.id_stops: list[list[int]] = []
+        self.text_stops: list[str] = []
+        for item in stop or ():
+            if isinstance(item, str):
+                if tokenizer is None:
+                    raise ValueError(f"the stop string {item!r} needs a tokenizer (pass tokenizer=...)")
+                if not item:
+                    raise ValueError("a stop string must not be empty")
+                self.text_stops.append(item)
+            else:
+                ids = [int(t) for t in item]
+                if not ids:
+                    raise ValueError("a stop sequence of token ids must not be empty")
+                self.id_stops.append(ids)
+        self.tokenizer = tokenizer
+
+    @property
+    def active(self) -> bool:
+        return self.eos_id is not None or bool(self.id_stops or self.text_stops)
+
+    def _within(self, tokens: list[int], chars: int) -> int:
+        """The longest prefix of ``tokens`` whose text is at most ``chars`` characters long."""
+        n = len(tokens)
+        while n and len(self.tokenizer.decode(tokens[:n])) > chars:
+            n -= 1
+        return n
+
+    def end(self, tokens: list[int]) -> int | None:
+        """``None`` while generation goes on; else how many of ``tokens`` the output keeps."""
+        if self.eos_id is not None and tokens[-1] == self.eos_id:
+            return len(tokens) - 1
+        for seq in self.id_stops:
+            if tokens[-len(seq) :] == seq:
+                return len(tokens) - len(seq)
+        if self.text_stops:
+            text = self.tokenizer.decode(tokens)
+            hits = [text.find(s) for s in self.text_stops if s in text]
+            if hits:
+                return self._within(tokens, min(hits))
+        return None
+
+    def settled(self, tokens: list[int]) -> int:
+        """How many leading tokens no stop sequence or string can still claim (the rest are held back)."""
+        n = len(tokens)
+        for seq in self.id_stops:  # hold back a suffix that is a proper prefix of a stop sequence
+            for k in range(min(len(seq) - 1, n), 0, -1):
+                if tokens[n - k :] == seq[:k]:
+                    n = min(n, len(tokens) - k)
+                    break
+        if self.text_stops and n:
+            text = self.tokenizer.decode(tokens[:n])
+            hold = max((k for s in self.text_stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            if hold:
+                n = self._within(tokens[:n], len(text) - hold)
+        return n
+
+
+# --------------------------------------------------------------------------------------------------
+# Feeding the model step by step
+# --------------------------------------------------------------------------------------------------
+class IncrementalLM:
+    """Next-token logits ``(B, V)`` of a batch of growing sequences.
+
+    ``prefill()`` runs the (left-padded) prompt ``ids (B, P)`` with ``mask (B, P)`` (``None``: no padding) once;
+    each ``step(tokens (B,))`` appends one token per row. With ``use_cache`` only the new token goes through the
+    model (its keys/values join the cache); without, the whole sequence is recomputed (the reference).
+    """
+
+    def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int,
+                 use_cache: bool = True) -> None:  # fmt: skip
+        B, P = ids.shape
+        self.model, self.use_cache, self.length = model, use_cache, P
+        self.ids = ids.new_empty(B, P + max_new_tokens)  # (B, P + N_max): prompt, then generated tokens
+        self.ids[:, :P] = ids
+        self.mask = None  # stays None without padding: the decoder then needs no mask at all
+        if mask is not None:
+            self.mask = mask.new_ones(B, P + max_new_tokens)  # (B, P + N_max): generated tokens are real
+            self.mask[:, :P] = mask
+        self.cache = model.new_cache() if use_cache else None
+
+    def _mask(self) -> Tensor | None:
+        return None if self.mask is None else self.mask[:, : self.length]
+
+    def prefill(self) -> Tensor:
+        """Logits of the token after the prompt ``(B, V)``."""
+        return self.model(self.ids[:, : self.length], self._mask(), self.cache)[:, -1]
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
+        self.ids[:, self.length] = tokens
+        self.length += 1
+        if self.cache is None:
+            return self.model(self.ids[:, : self.length], self._mask())[:, -1]
+        return self.model(tokens[:, None], self._mask(), self.cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str | None = None):
+    """``ids (B, P)`` with each prompt at the right end, and ``mask (B, P)`` (True = real token), or ``None``
+    as the mask when all prompts have the same length."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+    if all(len(p) == P for p in prompts):
+        return ids.to(device), None
+    lengths = torch.tensor([len(p) for p in prompts])
+    mask = torch.arange(P)[None, :] >= (P - lengths)[:, None]  # (B, P)
+    return ids.to(device), mask.to(device)
+
+
+def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() != 2 or prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"prompt_ids must be a (batch, time) integer tensor; got {prompt_ids.dtype} "
+                             f"{tuple(prompt_ids.shape)}")  # fmt: skip
+        prompt_ids = prompt_ids.tolist()
+    prompts = [[int(t) for t in p] for p in prompt_ids]
+    if not prompts:
+        raise ValueError("prompt_ids is empty: give at least one prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: a decoder-only LM needs at least one token to condition on")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    return prompts
+
+
+def _generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
+    if seed is None:
+        return None
+    seeds = [seed + i for i in range(batch)] if isinstance(seed, int) else [int(s) for s in seed]
+    if len(seeds) != batch:
+        raise ValueError(f"seed: give one int, or one seed per prompt ({batch}); got {len(seeds)}")
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+# --------------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------------
+def generate(
+    model: DecoderLM,
+    prompt_ids: Sequence[Sequence[int]] | Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    seed: int | Sequence[int] | None = None,
+    stop: Sequence[str | Sequence[int]] | None = None,
+    eos_id: int | None = None,
+    tokenizer=None,
+    use_cache: bool = True,
+    on_token: Callable[[int, int], None] | None = None,
+) -> list[list[int]]:
+    """Continue each prompt by up to ``max_new_tokens`` tokens; returns the new tokens of each row.
+
+    Args:
+        prompt_ids: a list of token-id lists (any lengths; left-padded internally) or a ``(B, P)`` tensor.
+        temperature, top_k, top_p, greedy: the sampling rule of the module docstring (``greedy`` ignores the rest).
+        seed: ``None`` draws from torch's global RNG. An int ``s`` gives row ``b`` its own generator seeded
+            ``s + b``; a list gives one seed per row. A row then draws only from its own generator, so
+            ``generate(m, prompts, seed=s)[b] == generate(m, [prompts[b]], seed=s + b)[0]``: batching does not
+            change what a row samples, as long as its logits agree (they do up to float rounding, ~1e-6 in
+            float32; a token can differ only if a draw falls within that rounding of a probability boundary).
+            Greedy decoding is deterministic and batch-independent in the same sense.
+        stop, eos_id, tokenizer: end a row at ``eos_id``, at a stop sequence of ids, or at a stop string
+            (needs ``tokenizer``); the stop itself is dropped from the output (see :class:`Stopper`).
+        use_cache: ``False`` recomputes the whole sequence each step (reference and benchmarks).
+        on_token: ``on_token(row, token_id)`` is called for each output token, in order, as soon as no stop
+            can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
+            returned lists.
+
+    Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings, or a learned
+    position table too short for the longest prompt plus ``max_new_tokens``.
+    """
+    cfg = model.cfg
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+    check_sampling_args(temperature, top_k, top_p, greedy)
+    prompts = _prompt_lists(prompt_ids, cfg.vocab_size)
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    longest = max(len(p) for p in prompts)
+    if cfg.position == "learned" and longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} exceeds the model's "
+            f"max_seq_len={cfg.max_seq_len} (learned positions); shorten the prompt or lower max_new_tokens"
+        )
+    stopper = Stopper(stop, eos_id, tokenizer)
+    B = len(prompts)
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    if max_new_tokens == 0:
+        return outputs
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, cfg.pad_id or 0, device)
+    generators = _generators(seed, B, device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            tokens = _decode_loop(model, ids, mask, max_new_tokens, temperature, top_k, top_p, greedy,
+                                  generators, stopper, use_cache, on_token, outputs)  # fmt: skip
+    finally:
+        model.train(was_training)
+    if tokens is not None:  # nothing could stop early: the whole block is the output
+        return tokens.tolist()
+    return outputs
+
+
+def _decode_loop(model, ids, mask, max_new_tokens, temperature, top_k, top_p, greedy, generators, stopper,
+                 use_cache, on_token, outputs) -> Tensor | None:  # fmt: skip
+    """The step loop. Returns the ``(B, N)`` token block when rows cannot end early, else fills ``outputs``."""
+    lm = IncrementalLM(model, ids, mask, max_new_tokens=max_new_tokens, use_cache=use_cache)
+    watch = stopper.active or on_token is not None  # else no host sync at all until the end
+    done = [False] * ids.shape[0]
+    shown = [0] * ids.shape[0]
+    logits = lm.prefill()
+    for n in range(max_new_tokens):
+        if greedy:
+            token = logits.argmax(dim=-1)  # (B,)
+        else:
+            token = sample(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), generators)
+        if watch:
+            last = n == max_new_tokens - 1
+            for b, t in enumerate(token.tolist()):
+                if done[b]:
+                    continue
+                row = outputs[b]
+                row.append(t)
+                end = stopper.end(row) if stopper.active else None
+                if end is not None:
+                    del row[end:]
+                    done[b] = True
+                settled = len(row) if done[b] or last else stopper.settled(row)
+                if on_token is not None:
+                    for tok in row[shown[b] : settled]:
+                        on_token(b, tok)
+                shown[b] = max(shown[b], settled)
+            if all(done):
+                return None
+        if n < max_new_tokens - 1:
+            logits = lm.step(token)
+        else:
+            lm.ids[:, lm.length] = token
+            lm.length += 1
+    return None if watch else lm.ids[:, ids.shape[1] : lm.length]

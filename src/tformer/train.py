@@ -1,0 +1,688 @@
+"""Training: ``train(TrainConfig) -> TrainResult`` for decoder-only LMs and encoder-decoder models.
+
+One optimizer step (``B`` sequences, the *global* batch, over all processes and micro-steps)::
+
+    lr      = warmup then cosine:  lr * (s+1)/warmup  for s < warmup,
+              min_lr + (lr - min_lr) * (1 + cos(pi * (s - warmup)/(steps - warmup))) / 2  after
+    loss    = sum of token cross-entropies / (target tokens in the global batch)   (seq2seq: label smoothing)
+    grads   = accumulated over ``grad_accum`` micro-batches (DDP all-reduces only on the last: ``no_sync``)
+    clip    ||g||_2 <= grad_clip, then AdamW
+
+AdamW weight decay applies to every parameter with ``dim >= 2`` (the weight matrices, including the token and
+position embedding tables, as GPT-2/nanoGPT); biases and LayerNorm gains/shifts (``dim < 2``) are not decayed.
+
+Exact resume. Everything a step depends on is either restored or a pure function of ``(seed, step)``: weights
+and AdamW moments (checkpoint), the learning rate (step), the batch (``data.LMBatches.get(step)``), the dropout
+masks (the torch RNG is re-seeded from ``(seed, step, rank)`` before each step). So ``k`` steps, stop, resume,
+``N - k`` steps give bitwise the losses of ``N`` straight steps on the CPU in float32.
+
+Data parallel. Under ``torchrun`` (``WORLD_SIZE > 1``) the model is wrapped in ``DistributedDataParallel``
+(gloo on CPU, NCCL on CUDA). Every rank draws the same global batch and trains on its own rows; rank 0 alone
+writes checkpoints, metrics and plots. The loss is normalized by the global token count, and DDP averages
+gradients over ranks, so the update equals the one-process update up to floating-point summation order.
+
+Files under ``OUT``: ``checkpoints/step-N/`` (see :mod:`tformer.checkpoint`), ``metrics.jsonl`` (one JSON
+record per log or evaluation event), ``loss.png`` (written at the end and on interruption).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    find_latest,
+    load_checkpoint,
+    model_class,
+    save_checkpoint,
+    unwrap,
+)
+from tformer.config import TransformerConfig
+from tformer.data import (
+    LMBatches,
+    Seq2SeqBatches,
+    corpus_files,
+    default_cache_dir,
+    evaluation_batches,
+    files_fingerprint,
+    iter_texts,
+    split_pairs,
+    tokenize_corpus,
+)
+from tformer.generate import greedy_seq2seq
+from tformer.plots import plot_loss, read_metrics
+from tformer.tasks import TASKS, SequenceTask, load_pairs
+from tformer.tokenization import SEQ2SEQ_SPECIALS, CharTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
+
+Dtype = Literal["auto", "float32", "bfloat16"]
+
+LM_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0, position="learned",
+                activation="gelu", norm_first=True, tie_embeddings=True)  # fmt: skip
+SEQ2SEQ_MODEL = dict(d_model=128, num_heads=4, num_layers=2, d_ff=512, dropout=0.0, position="sinusoidal",
+                     activation="relu", norm_first=True, tie_embeddings=True)  # fmt: skip
+# Settings that define the model and its data: a resumed run must keep them.
+STRUCTURAL = ("data", "task", "pairs", "tokenizer", "vocab_size", "unknown", "val_fraction", "model", "block_size",
+              "task_min_len", "task_max_len", "task_held_out", "batch_size", "seed")  # fmt: skip
+
+
+@dataclass
+class TrainConfig:
+    """What to train, on what, and how. Exactly one of ``data`` / ``task`` / ``pairs`` (none: the stdlib LM).
+
+    ``model`` overrides fields of the default model of the kind (``LM_MODEL`` / ``SEQ2SEQ_MODEL``);
+    ``vocab_size`` and ``pad_id`` always come from the tokenizer. ``batch_size`` is the global batch per
+    optimizer step; it must split evenly into ``world_size * grad_accum`` micro-batches.
+    """
+
+    out: str
+    data: str | None = None  # LM: a text file or folder; None (and no task/pairs) = the Python stdlib
+    task: str | None = None  # seq2seq: a built-in task of tformer.tasks
+    pairs: str | None = None  # seq2seq: a source<TAB>target file
+    tokenizer: Literal["byte", "char", "bpe"] = "byte"
+    vocab_size: int = 1024  # BPE only
+    unknown: Literal["unk", "skip", "error"] = "unk"  # char only
+    val_fraction: float = 0.1
+    cache_dir: str | None = None
+    model: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 128  # LM context length
+    task_min_len: int = 1
+    task_max_len: int = 16
+    task_held_out: int = 500
+    steps: int = 1000
+    batch_size: int = 32
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    label_smoothing: float = 0.1  # seq2seq only
+    eval_every: int = 250
+    eval_batches: int = 20
+    save_every: int = 500
+    keep: int = 2
+    log_every: int = 10
+    dtype: Dtype = "auto"
+    compile: bool = False
+    device: str = "auto"
+    seed: int = 0
+    resume: bool = False
+    stop_after: int | None = None  # end this run after this step (with a checkpoint), schedule still over `steps`
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("out", "data", "pairs", "cache_dir"):  # paths are kept as strings (JSON in checkpoints)
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        self.betas = tuple(self.betas)
+
+    @property
+    def kind(self) -> Literal["lm", "seq2seq"]:
+        return "lm" if self.task is None and self.pairs is None else "seq2seq"
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad setting and what would be valid."""
+        sources = [name for name in ("data", "task", "pairs") if getattr(self, name) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"give one of data, task, pairs (--data/--task/--pairs); got {sources}")
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {sorted(TASKS)}")
+        for name in ("steps", "batch_size", "grad_accum", "block_size", "eval_batches", "log_every", "keep",
+                     "task_held_out"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer (--{name.replace('_', '-')}); got {value!r}")
+        for name in ("warmup", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 turns it off); got {getattr(self, name)}")
+        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr; got lr={self.lr}, min_lr={self.min_lr}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1); got {self.val_fraction}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1); got {self.label_smoothing}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
+        if self.tokenizer not in ("byte", "char", "bpe"):
+            raise ValueError(f"tokenizer must be 'byte', 'char' or 'bpe'; got {self.tokenizer!r}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"stop_after must be in [1, steps={self.steps}]; got {self.stop_after}")
+        bad = sorted(set(self.model) - {f.name for f in dataclasses.fields(TransformerConfig)})
+        if bad or {"vocab_size", "pad_id"} & set(self.model):
+            raise ValueError(f"model overrides {bad or ['vocab_size/pad_id']} are not settable TransformerConfig "
+                             "fields (vocab_size and pad_id come from the tokenizer)")  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class TrainResult:
+    """What a ``train`` call did. Steps count completed optimizer steps (1 = after the first update)."""
+
+    out: Path
+    kind: str
+    step: int
+    losses: dict[int, float]  # training loss of every step run in this call
+    val_losses: dict[int, float]
+    val_accuracy: float | None  # seq2seq: exact match of greedy decodes on the held-out set, at the end
+    tokens_per_s: float
+    seconds: float
+    checkpoint: Path | None
+    interrupted: bool
+    num_parameters: int
+
+    @property
+    def final_loss(self) -> float:
+        """Mean training loss of the last (up to) 20 steps: one step's loss is too noisy to report."""
+        last = sorted(self.losses)[-20:]
+        return sum(self.losses[s] for s in last) / len(last) if last else float("nan")
+
+    @property
+    def val_loss(self) -> float:
+        return self.val_losses[max(self.val_losses)] if self.val_losses else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces (importable: the benchmarks use the same optimizer and schedule)
+# --------------------------------------------------------------------------------------------------
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup, then cosine decay to ``min_lr`` at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with two groups: ``dim >= 2`` parameters decayed, the rest (biases, norms) not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = next(iter(params)).device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The torch RNG seed of one step on one rank (dropout): a pure function, so resume needs no RNG state."""
+    return int(np.random.default_rng([seed, step, rank, 0xD50]).integers(2**62))
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """``None`` (float32) or the autocast dtype: ``auto`` is bfloat16 on CUDA GPUs that support it."""
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16
+    if cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def lm_loss_sum(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Sum over tokens of ``-log p(y_t | x_<=t)``: ``x, y (B, T)``."""
+    logits = model(x)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+
+
+def seq2seq_loss_sum(model: nn.Module, rows, pad_id: int, label_smoothing: float = 0.0) -> Tensor:
+    """Sum over target tokens (padding ignored) of the (label-smoothed) cross-entropy."""
+    src, src_mask, tgt_in, tgt_out, tgt_mask = rows
+    logits = model(src, tgt_in, src_mask, tgt_mask)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=pad_id,
+                           reduction="sum", label_smoothing=label_smoothing)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Data and model set-up
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Data:
+    tokenizer: Tokenizer
+    train: LMBatches | Seq2SeqBatches
+    val: list
+    held_out: list[tuple[list[int], list[int]]] | None = None  # seq2seq: (source ids, target ids)
+    max_len: int = 0  # seq2seq: the longest source or target (+ BOS/EOS)
+
+
+def _cached_tokenizer(cfg: TrainConfig, files: list[Path]) -> Tokenizer:
+    """Build (or read from the cache) the char/BPE tokenizer of a corpus."""
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    name = f"tokenizer-{files_fingerprint(files)}-{cfg.tokenizer}-{cfg.vocab_size}-{cfg.unknown}.json"
+    path = cache / name
+    if path.is_file():
+        return tokenizer_from_dict(json.loads(path.read_text(encoding="utf-8")), str(path))
+    tokenizer = build_tokenizer(cfg.tokenizer, iter_texts(files), vocab_size=cfg.vocab_size, unknown=cfg.unknown)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(tokenizer.to_dict(), ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return tokenizer
+
+
+def _prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None) -> _Data:
+    if cfg.kind == "lm":
+        files = corpus_files(cfg.data)
+        if tokenizer is None:
+            tokenizer = build_tokenizer("byte") if cfg.tokenizer == "byte" else _cached_tokenizer(cfg, files)
+        corpus = tokenize_corpus(files, tokenizer, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
+        train = LMBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed)
+        val = LMBatches(corpus.val, cfg.block_size, cfg.batch_size, cfg.seed).evaluation(cfg.eval_batches)
+        return _Data(tokenizer, train, val)
+    if cfg.task is not None:
+        task = SequenceTask(cfg.task, min_len=cfg.task_min_len, max_len=cfg.task_max_len)
+        if tokenizer is None:
+            tokenizer = CharTokenizer(task.alphabet, SEQ2SEQ_SPECIALS, unknown="error")
+        sources = task.held_out(cfg.task_held_out, seed=1234)
+        held = [(list(s), task.target(s)) for s in sources]
+        withheld = {s for s in sources if task.can_withhold(s)}  # short lengths cannot be withheld (all of them)
+        train = Seq2SeqBatches(cfg.batch_size, cfg.seed, task=task, exclude=withheld)
+        max_len = max(task.max_source_len, task.max_target_len)
+    else:
+        pairs = load_pairs(cfg.pairs)
+        train_idx, val_idx = split_pairs(len(pairs), cfg.val_fraction)
+        if tokenizer is None:
+            texts = (side for i in train_idx for side in pairs[i])
+            tokenizer = build_tokenizer(cfg.tokenizer, texts, vocab_size=cfg.vocab_size,
+                                        specials=SEQ2SEQ_SPECIALS, unknown=cfg.unknown)  # fmt: skip
+        encoded = [(tokenizer.encode(s), tokenizer.encode(t)) for s, t in pairs]
+        held = [encoded[i] for i in val_idx]
+        train = Seq2SeqBatches(cfg.batch_size, cfg.seed, pairs=[encoded[i] for i in train_idx],
+                               bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)  # fmt: skip
+        max_len = max(max(len(s), len(t) + 2) for s, t in encoded)
+    if (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) != (1, 2, 0):
+        raise ValueError(f"a seq2seq tokenizer needs <pad>, <bos>, <eos> as ids 0, 1, 2; got {tokenizer}")
+    val = evaluation_batches(held, cfg.batch_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+    return _Data(tokenizer, train, val, held, max_len)
+
+
+def model_config(cfg: TrainConfig, tokenizer: Tokenizer, max_len: int = 0) -> TransformerConfig:
+    """The kind's default model, ``cfg.model`` overrides, vocabulary and padding from the tokenizer."""
+    base = dict(LM_MODEL if cfg.kind == "lm" else SEQ2SEQ_MODEL)
+    base["max_seq_len"] = cfg.block_size if cfg.kind == "lm" else max(64, max_len)
+    merged = {**base, **cfg.model, "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id}
+    config = TransformerConfig(**merged)
+    needed = cfg.block_size if cfg.kind == "lm" else max_len
+    if config.position == "learned" and config.max_seq_len < needed:
+        raise ValueError(f"model max_seq_len={config.max_seq_len} is shorter than the {needed} positions the data "
+                         "needs (block_size or the longest example); raise max_seq_len")  # fmt: skip
+    return config
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def _init_world(device_name: str) -> _World:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return _World()
+    owns = False
+    if not dist.is_initialized():
+        use_cuda = device_name != "cpu" and torch.cuda.is_available()
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        owns = True
+    return _World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+
+
+def _device(cfg: TrainConfig, world: _World) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device(f"cuda:{world.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(cfg.device)
+
+
+class _StopFlag:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one interrupts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        for sig, handler in self._previous.items():  # a second signal acts at once
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> _StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()  # noqa: NPY002  (the global state user code may rely on)
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))  # noqa: NPY002
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
+    if ckpt.kind != cfg.kind:
+        raise ValueError(f"the checkpoint in {cfg.out} is a {ckpt.kind!r} model but this run trains a {cfg.kind!r} "
+                         "one; resume with the same --data/--task/--pairs or train into another --out")  # fmt: skip
+    saved = ckpt.train_config
+    diffs = [f"{k}: saved {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in STRUCTURAL
+             if saved.get(k) != getattr(cfg, k)]  # fmt: skip
+    if diffs:
+        raise ValueError(f"cannot resume {ckpt.path}: these settings differ from the saved run: {'; '.join(diffs)}")
+    if ckpt.step >= cfg.steps:
+        raise ValueError(f"the checkpoint is already at step {ckpt.step} >= steps={cfg.steps}; raise --steps to "
+                         "train further")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, batches: list, kind: str, pad_id: int | None, world: _World,
+                  amp: torch.dtype | None, device: torch.device, chunk: int) -> float:  # fmt: skip
+    """Mean per-token cross-entropy over ``batches`` (no label smoothing), ``chunk`` rows at a time.
+
+    Each rank takes its share of every batch's rows; the sums are all-reduced, so the result does not depend on
+    the number of processes.
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
+    for batch in batches:
+        lo, hi = len(batch) * world.rank // world.size, len(batch) * (world.rank + 1) // world.size
+        for first in range(lo, hi, chunk):
+            rows = tuple(t.to(device) for t in batch.rows(first, min(first + chunk, hi)))
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                s = lm_loss_sum(model, *rows) if kind == "lm" else seq2seq_loss_sum(model, rows, pad_id)
+            count = rows[1].numel() if kind == "lm" else (rows[3] != pad_id).sum()
+            total += torch.stack([s.double(), torch.as_tensor(count, dtype=torch.float64, device=device)])
+    if world.size > 1:
+        dist.all_reduce(total)
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+@torch.no_grad()
+def exact_match(model: nn.Module, held_out: list[tuple[list[int], list[int]]], tokenizer: Tokenizer,
+                device: torch.device, batch_size: int = 250) -> float:  # fmt: skip
+    """Fraction of held-out sources whose greedy decode equals the target exactly."""
+    model = unwrap(model)
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(held_out), batch_size):
+        chunk = held_out[i : i + batch_size]
+        batch = evaluation_batches(chunk, len(chunk), tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)[0]
+        src, src_mask, *_ = (t.to(device) for t in batch.rows(0, len(chunk)))
+        longest = max(len(t) for _, t in chunk) + 1
+        predictions = greedy_seq2seq(model, src, src_mask, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                                     max_new_tokens=longest)  # fmt: skip
+        correct += sum(p == list(t) for p, (_, t) in zip(predictions, chunk, strict=True))
+    model.train(was_training)
+    return correct / len(held_out)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train (or resume) the model ``cfg`` describes; see the module docstring for the exact procedure."""
+    cfg.validate()
+    world = _init_world(cfg.device)
+    try:
+        return _train(cfg, world)
+    finally:
+        if world.owns_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, world: _World) -> TrainResult:
+    out = Path(cfg.out)
+    device = _device(cfg, world)
+    micro_total = world.size * cfg.grad_accum
+    if cfg.batch_size % micro_total:
+        raise ValueError(f"batch_size={cfg.batch_size} must divide evenly into {world.size} processes x "
+                         f"grad_accum={cfg.grad_accum} micro-batches")  # fmt: skip
+    micro_rows = cfg.batch_size // micro_total
+
+    ckpt = None
+    if cfg.resume:
+        if find_latest(out) is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; train without --resume first")
+        ckpt = load_checkpoint(out, with_state=True)
+        _check_resumable(cfg, ckpt)
+    elif find_latest(out) is not None:
+        raise FileExistsError(f"{out} already holds checkpoints (latest {find_latest(out).name}); pass --resume to "
+                              "continue that run, or choose another --out")  # fmt: skip
+
+    for turn in (True, False):  # rank 0 builds the tokenizer and token caches first; the others then read them
+        if world.main == turn:
+            data = _prepare_data(cfg, ckpt.tokenizer if ckpt else None)
+        world.barrier()
+    tokenizer = data.tokenizer
+    config = model_config(cfg, tokenizer, data.max_len)
+
+    if ckpt is not None:
+        if ckpt.config != config:
+            raise CheckpointError(f"{ckpt.path}: saved model config {ckpt.config} differs from {config}")
+        model, start = ckpt.model, ckpt.step
+    else:
+        torch.manual_seed(cfg.seed)
+        model, start = model_class(cfg.kind)(config), 0
+    model.to(device).train()
+    optimizer = make_optimizer(model, cfg)
+    tokens_seen = 0
+    if ckpt is not None:
+        state = ckpt.trainer_state
+        optimizer.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"])
+        tokens_seen = int(state["tokens_seen"])
+        if state["data"]["next_index"] != start:
+            raise CheckpointError(f"{ckpt.path}: data position {state['data']['next_index']} != step {start}")
+    n_params = sum(p.numel() for p in model.parameters())
+    net: nn.Module = model
+    if world.size > 1:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        net = torch.compile(net)
+    amp = autocast_dtype(cfg, device)
+
+    metrics_path = out / "metrics.jsonl"
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= start] if ckpt else []
+        _rewrite_jsonl(metrics_path, kept)  # drop records of steps after the checkpoint (they are redone)
+    metrics = open(metrics_path, "a", encoding="utf-8") if world.main else None  # noqa: SIM115
+
+    def save(step: int) -> Path | None:
+        if not world.main:
+            return None
+        trainer_state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "tokens_seen": tokens_seen,
+                         "data": {"next_index": step, "seed": cfg.seed}}  # fmt: skip
+        return save_checkpoint(out, model=model, tokenizer=tokenizer, kind=cfg.kind, step=step,
+                               train_config=cfg.to_dict(), trainer_state=trainer_state, keep=cfg.keep)  # fmt: skip
+
+    def record(entry: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.write(json.dumps(entry) + "\n")
+            metrics.flush()
+
+    losses: dict[int, float] = {}
+    val_losses: dict[int, float] = {}
+    pending: list[Tensor] = []  # per-step loss sums not yet read back (avoids a device sync every step)
+    pad_id = tokenizer.pad_id
+    end = cfg.stop_after if cfg.stop_after is not None else cfg.steps
+    if end <= start:
+        raise ValueError(f"stop_after={end} is not after the checkpoint's step {start}; nothing to train")
+    bar = _progress_bar(cfg, world, start, n_params)
+    t0 = time.perf_counter()
+    window_start, window_tokens = t0, 0
+    interrupted, step = False, start
+
+    accuracy = None
+    try:
+        with _StopFlag() as stop:
+            for step in range(start, end):
+                lr = lr_at(step, cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                torch.manual_seed(step_seed(cfg.seed, step, world.rank))
+                batch = data.train.get(step)
+                pending.append(_accumulate_gradients(net, batch, cfg, world, micro_rows, device, amp, pad_id))
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                tokens_seen += batch.num_tokens
+                window_tokens += batch.num_tokens
+
+                if world.size > 1:  # every rank must agree to stop at the same step
+                    flag = torch.tensor([float(stop.requested)], device=device)
+                    dist.all_reduce(flag)
+                    stop.requested = bool(flag.item())
+                last = done == end or stop.requested
+                if done % cfg.log_every == 0 or last:
+                    values = torch.stack(pending)  # the one host sync per log interval
+                    if world.size > 1:
+                        dist.all_reduce(values)  # each rank holds its share of the global mean
+                    first_step = done - len(pending) + 1
+                    losses.update({first_step + i: v for i, v in enumerate(values.tolist())})
+                    pending.clear()
+                    now = time.perf_counter()
+                    rate = window_tokens / max(now - window_start, 1e-9)
+                    window_start, window_tokens = now, 0
+                    mean = sum(losses[s] for s in range(first_step, done + 1)) / (done + 1 - first_step)
+                    record({"step": done, "loss": mean, "lr": lr, "tokens_per_s": rate, "tokens": tokens_seen,
+                            "elapsed": now - t0})  # fmt: skip
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}", refresh=False)
+                        bar.update(done - bar.n)
+                paused = time.perf_counter()  # evaluation and saving do not count against tokens/s
+                if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                    val_losses[done] = evaluate_loss(net, data.val, cfg.kind, pad_id, world, amp, device, micro_rows)
+                    record({"step": done, "val_loss": val_losses[done]})
+                    if bar is not None:
+                        bar.write(f"step {done}: validation loss {val_losses[done]:.4f}")
+                if (cfg.save_every and done % cfg.save_every == 0) or last:
+                    save(done)
+                window_start += time.perf_counter() - paused
+                if stop.requested:
+                    interrupted = True
+                    break
+        seconds = time.perf_counter() - t0
+        if cfg.kind == "seq2seq" and world.main and step + 1 == cfg.steps and not interrupted:
+            accuracy = exact_match(model, data.held_out, tokenizer, device)
+            record({"step": cfg.steps, "val_accuracy": accuracy})
+    finally:  # also on an exception or a second Ctrl-C: close the log and draw what there is
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+            plot_loss(read_metrics(metrics_path), out / "loss.png", title=f"{cfg.kind} training ({n_params:,} params)")
+    world.barrier()
+    run_tokens = tokens_seen - (int(ckpt.trainer_state["tokens_seen"]) if ckpt else 0)
+    return TrainResult(
+        out=out,
+        kind=cfg.kind,
+        step=max(losses) if losses else start,
+        losses=losses,
+        val_losses=val_losses,
+        val_accuracy=accuracy,
+        tokens_per_s=run_tokens / max(seconds, 1e-9),
+        seconds=seconds,
+        checkpoint=find_latest(out),
+        interrupted=interrupted,
+        num_parameters=n_params,
+    )
+
+
+def _accumulate_gradients(net: nn.Module, batch, cfg: TrainConfig, world: _World, micro_rows: int,
+                          device: torch.device, amp: torch.dtype | None, pad_id: int | None) -> Tensor:  # fmt: skip
+    """Forward and backward this rank's micro-batches of one global batch; returns its share of the mean loss.
+
+    Each micro-batch loss is a *sum* over its tokens scaled by ``world_size / global tokens``; DDP then averages
+    the gradients over ranks, so the accumulated gradient is that of the mean loss over the global batch. DDP
+    all-reduces only after the last micro-batch (``no_sync`` before).
+    """
+    scale = world.size / batch.num_tokens
+    smoothing = cfg.label_smoothing if cfg.kind == "seq2seq" else 0.0
+    total = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        first = (micro * world.size + world.rank) * micro_rows
+        rows = tuple(t.to(device, non_blocking=True) for t in batch.rows(first, first + micro_rows))
+        sync = world.size == 1 or micro == cfg.grad_accum - 1
+        with (
+            contextlib.nullcontext() if sync else net.no_sync(),
+            torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None),
+        ):
+            s = lm_loss_sum(net, *rows) if cfg.kind == "lm" else seq2seq_loss_sum(net, rows, pad_id, smoothing)
+            (s * scale).backward()
+        total += s.detach()
+    return total / batch.num_tokens
+
+
+def _progress_bar(cfg: TrainConfig, world: _World, start: int, n_params: int):
+    if not (cfg.progress and world.main):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
+                desc=f"{cfg.kind} {n_params / 1e6:.2f}M params")  # fmt: skip
+
+
+def _rewrite_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    os.replace(tmp, path)

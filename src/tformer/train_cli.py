@@ -1,0 +1,227 @@
+"""``tformer train`` and ``tformer train-demo``: thin skins over :func:`tformer.train.train`.
+
+``tformer train --out DIR [--data PATH | --task NAME | --pairs FILE] ...`` trains (or with ``--resume``
+continues) a run; ``torchrun --nproc_per_node=2 -m tformer train ...`` trains data-parallel.
+``tformer train-demo`` is the main job of ``make demo``: a small GPT on the Python standard library for about
+three minutes, then its validation loss, a sample and the loss plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer.checkpoint import CHECKPOINTS_DIR, CheckpointError, find_latest, load_checkpoint, read_manifest
+
+# flag -> TransformerConfig field (model size and shape)
+MODEL_FLAGS = {"d_model": "d_model", "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
+               "d_ff": "d_ff", "dropout": "dropout", "position": "position", "activation": "activation",
+               "attn_backend": "attn_backend"}  # fmt: skip
+EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a language model (text) or a seq2seq model (task/pairs); --resume continues",
+        description="Train or resume a model. Flags left out keep their defaults (or, with --resume, the saved "
+        "run's values). Ctrl-C saves a checkpoint and stops; --resume continues exactly.",
+    )
+    S = argparse.SUPPRESS  # only the flags given on the command line reach the config
+    p.add_argument("--out", required=True, help="run directory: checkpoints/, metrics.jsonl, loss.png")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", default=S, help="LM corpus: a text file or a folder of text files (default: stdlib)")
+    src.add_argument("--task", default=S, help="seq2seq built-in task: reverse, sort, copy, add")
+    src.add_argument("--pairs", default=S, help="seq2seq: a file of source<TAB>target lines")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--steps", type=int, default=S, help="total optimizer steps (default 1000)")
+    p.add_argument("--stop-after", type=int, default=S, help="end this run after this step (schedule over --steps)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer", choices=["byte", "char", "bpe"], default=S, help="default byte")
+    g.add_argument("--vocab-size", type=int, default=S, help="BPE vocabulary size (default 1024)")
+    g.add_argument("--unknown", choices=["unk", "skip", "error"], default=S, help="char: unseen characters")
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=S)
+    g.add_argument("--layers", type=int, default=S)
+    g.add_argument("--heads", type=int, default=S)
+    g.add_argument("--kv-heads", type=int, default=S)
+    g.add_argument("--d-ff", type=int, default=S)
+    g.add_argument("--dropout", type=float, default=S)
+    g.add_argument("--position", choices=["sinusoidal", "rotary", "learned", "none"], default=S)
+    g.add_argument("--activation", choices=["relu", "gelu"], default=S)
+    g.add_argument("--norm", choices=["pre", "post"], default=S, help="Pre-LN or Post-LN blocks")
+    g.add_argument("--attn-backend", choices=["auto", "reference", "sdpa", "tiled", "triton"], default=S)
+    g.add_argument("--block-size", type=int, default=S, help="LM context length (default 128)")
+    g = p.add_argument_group("optimization")
+    for flag, kind, text in [
+        ("--batch-size", int, "global sequences per step (default 32)"),
+        ("--grad-accum", int, "micro-batches per step (default 1)"),
+        ("--lr", float, "peak learning rate (default 1e-3)"),
+        ("--min-lr", float, "final learning rate of the cosine (default 1e-4)"),
+        ("--warmup", int, "linear warm-up steps (default 100)"),
+        ("--weight-decay", float, "AdamW decay of the weight matrices (default 0.1)"),
+        ("--grad-clip", float, "max gradient norm, 0 = off (default 1.0)"),
+        ("--label-smoothing", float, "seq2seq (default 0.1)"),
+        ("--seed", int, "(default 0)"),
+    ]:
+        g.add_argument(flag, type=kind, default=S, help=text)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=S,
+                   help="autocast: auto = bfloat16 on CUDA, float32 on CPU")  # fmt: skip
+    g.add_argument("--compile", action="store_true", default=S, help="torch.compile the model")
+    g.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1 ...")
+    g = p.add_argument_group("bookkeeping")
+    g.add_argument("--eval-every", type=int, default=S, help="steps between validation losses (default 250)")
+    g.add_argument("--eval-batches", type=int, default=S, help="LM validation batches (default 20)")
+    g.add_argument("--save-every", type=int, default=S, help="steps between checkpoints (default 500)")
+    g.add_argument("--log-every", type=int, default=S, help="steps between progress/metrics updates (default 10)")
+    g.add_argument("--val-fraction", type=float, default=S, help="held-out share of the data (default 0.1)")
+    g.add_argument("--task-max-len", type=int, default=S, help="task: longest source (add: digits; default 16)")
+    g.add_argument("--cache-dir", default=S, help="token cache (default $TFORMER_CACHE or ~/.cache/tformer)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_train)
+
+    d = subparsers.add_parser("train-demo", help="the main job: a small GPT on the Python stdlib (~3 min on 2 cores)")
+    d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced each time)")
+    d.add_argument("--steps", type=int, default=DEMO["steps"], help=f"optimizer steps (default {DEMO['steps']})")
+    d.add_argument("--prompt", default="def ", help="the start of the sample")
+    d.add_argument("--sample-tokens", type=int, default=400, help="bytes to sample (default 400)")
+    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--plot-copy", default=None, help="also copy loss.png here (e.g. docs/demo_loss.png)")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=_run_demo)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`TrainConfig` the flags describe; with ``--resume`` the saved run's, updated by the flags."""
+    from tformer.train import TrainConfig
+
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("func", "command", "no_progress")}
+    model = {MODEL_FLAGS[k]: given.pop(k) for k in list(given) if k in MODEL_FLAGS}
+    if "norm" in given:
+        model["norm_first"] = given.pop("norm") == "pre"
+    base: dict[str, Any] = {}
+    if args.resume:
+        latest = find_latest(args.out)
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {Path(args.out) / 'checkpoints'}; train without "
+                                    "--resume first")  # fmt: skip
+        base = read_manifest(latest)["train_config"]
+        base.pop("stop_after", None)  # a time-box of the earlier run, not of this one
+        if {"data", "task", "pairs"} & set(given):  # a new data source replaces the saved one (then checked)
+            for source in ("data", "task", "pairs"):
+                base.pop(source, None)
+    merged = {**base, **given, "model": {**base.get("model", {}), **model}, "progress": not args.no_progress}
+    return TrainConfig.from_dict(merged)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from tformer.train import train
+
+    try:
+        cfg = config_from_args(args)
+        result = train(cfg)
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as err:
+        print(f"tformer train: error: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return EXIT_INTERRUPTED if result.interrupted else 0
+    print(_summary(result))
+    if result.interrupted:
+        print(f"interrupted at step {result.step}; checkpoint saved. Continue with: tformer train --out {cfg.out} "
+              "--resume")  # fmt: skip
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _summary(result) -> str:
+    lines = [f"trained to step {result.step} in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
+             f"{result.num_parameters:,} parameters)"]  # fmt: skip
+    if result.losses:
+        lines.append(f"training loss {result.final_loss:.4f} (mean of the last 20 steps)")
+    if result.val_losses:
+        lines.append(f"validation loss {result.val_loss:.4f}")
+    if result.val_accuracy is not None:
+        lines.append(f"held-out exact match {100 * result.val_accuracy:.1f}%")
+    lines.append(f"checkpoint {result.checkpoint}")
+    lines.append(f"metrics {result.out / 'metrics.jsonl'}, loss plot {result.out / 'loss.png'}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo (make demo)
+# --------------------------------------------------------------------------------------------------
+DEMO = dict(steps=1500, batch_size=16, block_size=128, lr=2e-3, min_lr=2e-4, warmup=100, eval_every=250,
+            eval_batches=16, save_every=400, log_every=10)  # fmt: skip
+DEMO_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0)
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
+    """Prompt + ``max_new_tokens`` sampled tokens, decoded. Uses :func:`tformer.sampling.generate` (key/value cache)
+    in windows: a model with learned positions sees at most ``max_seq_len`` tokens, so each window restarts from the
+    last half of the text so far. Deterministic for a given ``seed``."""
+    limit = model.cfg.max_seq_len
+    ids = tokenizer.encode(prompt) or [0]
+    window = 0
+    while max_new_tokens > 0:
+        context = ids if len(ids) < limit else ids[-(limit // 2) :]
+        count = min(max_new_tokens, limit - len(context))
+        ids += _generate(model, context, count, temperature, seed + window)
+        max_new_tokens -= count
+        window += 1
+    return tokenizer.decode(ids)
+
+
+def _generate(model, context: list[int], count: int, temperature: float, seed: int) -> list[int]:
+    try:
+        from tformer.sampling import generate
+    except ImportError:  # the sampling module is optional here: a minimal cached sampler instead
+        return _minimal_sample(model, context, count, temperature, seed)
+    return generate(model, [context], max_new_tokens=count, temperature=temperature, seed=seed)[0]
+
+
+@torch.no_grad()
+def _minimal_sample(model, context: list[int], count: int, temperature: float, seed: int) -> list[int]:
+    gen, cache, out = torch.Generator().manual_seed(seed), model.new_cache(), []
+    model.eval()
+    feed = torch.tensor([context])  # (1, P) the prompt, then one token per step
+    for _ in range(count):
+        logits = model(feed, cache=cache)[:, -1]  # (1, V)
+        token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)  # (1, 1)
+        out.append(int(token))
+        feed = token
+    return out
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from tformer.train import TrainConfig, train
+
+    out = Path(args.out)
+    for stale in (out / CHECKPOINTS_DIR, out / "metrics.jsonl", out / "loss.png"):  # the demo starts afresh
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        elif stale.exists():
+            stale.unlink()
+    settings = {**DEMO, "steps": args.steps, "warmup": min(DEMO["warmup"], max(1, args.steps // 10))}
+    cfg = TrainConfig(out=str(out), model=dict(DEMO_MODEL), progress=not args.no_progress, **settings)
+    print(
+        f"training a {DEMO_MODEL['num_layers']}-layer GPT (d_model {DEMO_MODEL['d_model']}, "
+        f"context {cfg.block_size} bytes) on the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves"
+    )
+    start = time.perf_counter()
+    result = train(cfg)
+    print(_summary(result))
+    ckpt = load_checkpoint(out)
+    text = sample_text(ckpt.model, ckpt.tokenizer, args.prompt, args.sample_tokens, args.temperature)
+    print(f"\nsample (temperature {args.temperature}, prompt {args.prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+    print(f"total {time.perf_counter() - start:.0f} s; loss plot: {out / 'loss.png'}")
+    if args.plot_copy and (out / "loss.png").exists():
+        Path(args.plot_copy).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "loss.png", args.plot_copy)
+    return EXIT_INTERRUPTED if result.interrupted else 0

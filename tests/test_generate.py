@@ -1,0 +1,310 @@
+"""Seq2seq decoding (greedy, beam search against exhaustive search) and the ``sample``/``translate`` CLI."""
+
+import io
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tformer import DecoderLM, EncoderDecoder, TransformerConfig
+from tformer.checkpoint import load_checkpoint, save_checkpoint
+from tformer.cli import main
+from tformer.generate import beam_search, gnmt_length_penalty, greedy_seq2seq
+from tformer.sample_cli import TextStream, translate_lines
+from tformer.sampling import generate
+from tformer.tokenization import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
+
+
+def _peaky(model, std=0.5, seed=0):
+    """Random weights of standard deviation ``std``: next-token distributions far from uniform (GPT-2's 0.02
+    gives near-uniform ones, full of near-ties)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+def _seq2seq(vocab=32, seed=0, dtype=torch.float64, eos=2, **changes):
+    """Untied output matrix (with tied embeddings a random model mostly repeats its last input token) whose
+    EOS row is zero: the EOS logit is 0, so outputs end sometimes early, sometimes late, never always at once."""
+    torch.manual_seed(seed)
+    cfg = TransformerConfig.tiny(vocab_size=vocab, d_model=16, num_heads=2, d_ff=32, tie_embeddings=False, **changes)
+    model = _peaky(EncoderDecoder(cfg).to(dtype), std=0.2, seed=seed)
+    with torch.no_grad():
+        model.head.weight[eos] = 0.0
+    return model
+
+
+def _sources(lengths, vocab, low=2, seed=0):
+    """Right-padded ``src (B, S)`` and ``src_mask`` of random sources."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(src, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        src[i, :n] = torch.randint(low, vocab, (n,), generator=g)
+        mask[i, :n] = True
+    return src, mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy and beam search
+# --------------------------------------------------------------------------------------------------
+def _uncached_greedy(model, src, mask, bos, eos, steps):
+    """The oracle: re-run the whole decoder on BOS + the tokens so far, one source at a time."""
+    outputs = []
+    for i in range(src.shape[0]):
+        n = int(mask[i].sum())
+        memory = model.encode(src[i : i + 1, :n])
+        out = []
+        while len(out) < steps:
+            token = int(model.decode(torch.tensor([[bos] + out]), memory)[0, -1].argmax())
+            if token == eos:
+                break
+            out.append(token)
+        outputs.append(out)
+    return outputs
+
+
+def test_greedy_seq2seq_equals_uncached_one_by_one_greedy():
+    lengths = []
+    for seed in (1, 2):
+        model = _seq2seq(vocab=6, seed=seed)
+        src, mask = _sources([5, 2, 7, 4], vocab=6, low=3, seed=seed)
+        with torch.no_grad():
+            expected = _uncached_greedy(model, src, mask, bos=1, eos=2, steps=10)
+        assert greedy_seq2seq(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=10) == expected
+        lengths += [len(e) for e in expected]
+    assert min(lengths) < 10 == max(lengths)  # outputs ended by EOS and by max_new_tokens both occur
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "rotary", "learned"])
+def test_beam_size_one_is_greedy(position):
+    model = _seq2seq(seed=2, position=position)
+    src, mask = _sources([6, 3, 8, 1], vocab=32, seed=2)
+    greedy = greedy_seq2seq(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=12)
+    beam = beam_search(model, src, mask, beam_size=1, length_penalty=0.0, bos_id=1, eos_id=2, max_new_tokens=12)
+    assert beam == greedy
+
+
+def _exhaustive_best(model, src, mask, *, bos, eos, vocab, max_len, alpha):
+    """Score every possible output (EOS-terminated of length <= max_len, or max_len tokens without EOS)."""
+    symbols = [t for t in range(vocab) if t != eos]
+    best = []
+    for i in range(src.shape[0]):
+        memory = model.encode(src[i : i + 1], mask[i : i + 1])
+        candidates = [list(p) + [eos] for n in range(max_len) for p in itertools.product(symbols, repeat=n)]
+        candidates += [list(p) for p in itertools.product(symbols, repeat=max_len)]
+        scored = []
+        for length in range(1, max_len + 1):
+            group = [c for c in candidates if len(c) == length]
+            tgt = torch.tensor([[bos] + c[:-1] for c in group])  # teacher forcing
+            logp = model.decode(tgt, memory.expand(len(group), -1, -1), mask[i : i + 1].expand(len(group), -1))
+            logp = logp.double().log_softmax(-1).gather(-1, torch.tensor(group)[..., None])[..., 0].sum(-1)
+            lp = gnmt_length_penalty(length, alpha)
+            scored += [(float(s) / lp, c) for s, c in zip(logp, group)]
+        _, winner = max(scored, key=lambda item: item[0])
+        best.append(winner[:-1] if winner[-1] == eos else winner)
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_large_beam_finds_the_exhaustive_optimum(alpha):
+    vocab, max_len, bos, eos = 4, 4, 0, 1
+    # with K >= (live prefixes) x V = 3^3 x 4 candidates at the last step, nothing is ever pruned
+    beam_size = (vocab - 1) ** (max_len - 1) * vocab
+    non_greedy = non_empty = 0
+    for seed, head_scale in itertools.product(range(3), (1.0, 2.0)):  # scale 2: peakier, EOS less likely
+        model = _seq2seq(vocab=vocab, seed=10 + seed, eos=eos)
+        with torch.no_grad():
+            model.head.weight.mul_(head_scale)
+        src, mask = _sources([5, 3], vocab=vocab, low=0, seed=seed)
+        with torch.no_grad():
+            expected = _exhaustive_best(model, src, mask, bos=bos, eos=eos, vocab=vocab, max_len=max_len, alpha=alpha)
+        got = beam_search(model, src, mask, beam_size=beam_size, length_penalty=alpha, bos_id=bos, eos_id=eos,
+                          max_new_tokens=max_len)  # fmt: skip
+        assert got == expected
+        greedy = greedy_seq2seq(model, src, mask, bos_id=bos, eos_id=eos, max_new_tokens=max_len)
+        non_greedy += sum(g != e for g, e in zip(greedy, expected))
+        non_empty += sum(len(e) > 0 for e in expected)
+    assert non_greedy > 0 and non_empty > 0  # the search had something to find beyond greedy and beyond ""
+
+
+def _naive_beam(model, src, mask, *, beam_size, alpha, max_len, bos, eos):
+    """Beam search written plainly, one source at a time, re-running the decoder on whole prefixes, and
+    never stopping early: the same rules (EOS among the K best candidates completes; the K best non-EOS
+    candidates live on; at max_len the live beams complete), the best complete hypothesis wins."""
+    results = []
+    for i in range(src.shape[0]):
+        memory = model.encode(src[i : i + 1], mask[i : i + 1])
+        beams, complete = [([], 0.0)], []
+        for step in range(1, max_len + 1):
+            candidates = []
+            for tokens, score in beams:
+                logp = model.decode(torch.tensor([[bos] + tokens]), memory, mask[i : i + 1])[0, -1].log_softmax(-1)
+                candidates += [(score + float(logp[v]), tokens, v) for v in range(logp.shape[0])]
+            candidates.sort(key=lambda c: -c[0])
+            lp = gnmt_length_penalty(step, alpha)
+            complete += [(s / lp, tokens) for s, tokens, v in candidates[:beam_size] if v == eos]
+            beams = [(tokens + [v], s) for s, tokens, v in candidates if v != eos][:beam_size]
+        complete += [(s / gnmt_length_penalty(max_len, alpha), tokens) for tokens, s in beams]
+        results.append(max(complete, key=lambda c: c[0])[1])
+    return results
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_beam_search_equals_a_plain_uncached_beam_search_without_early_stopping(alpha):
+    # a small vocabulary and long outputs: K hypotheses complete long before max_new_tokens, so early stopping
+    # is exercised (with alpha = 2 stopping as soon as K are complete gives different, worse outputs)
+    model = _seq2seq(vocab=5, seed=10)
+    src, mask = _sources([5, 3, 6, 2, 4], vocab=5, low=3, seed=10)
+    with torch.no_grad():
+        expected = _naive_beam(model, src, mask, alpha=alpha, max_len=16, bos=1, eos=2, beam_size=3)
+    got = beam_search(model, src, mask, beam_size=3, length_penalty=alpha, max_new_tokens=16, bos_id=1, eos_id=2)
+    assert got == expected
+
+
+def test_beam_search_prefers_longer_outputs_as_alpha_grows():
+    model = _seq2seq(vocab=8, seed=5)
+    src, mask = _sources([6, 4, 5, 7, 3, 6], vocab=8, low=3, seed=5)
+    kwargs = dict(beam_size=6, bos_id=1, eos_id=2, max_new_tokens=10)
+    short = beam_search(model, src, mask, length_penalty=0.0, **kwargs)
+    long = beam_search(model, src, mask, length_penalty=3.0, **kwargs)
+    assert sum(map(len, long)) > sum(map(len, short))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(beam_size=0), "beam_size"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(eos_id=32), "eos_id"),
+        (dict(bos_id=-1), "bos_id"),
+    ],
+)
+def test_beam_search_rejects_bad_arguments(kwargs, message):
+    model = _seq2seq()
+    src, mask = _sources([3], vocab=32)
+    args = dict(beam_size=2, bos_id=1, eos_id=2, max_new_tokens=5) | kwargs
+    with pytest.raises(ValueError, match=message):
+        beam_search(model, src, mask, **args)
+
+
+def test_learned_positions_bound_the_output_length():
+    model = _seq2seq(position="learned", max_seq_len=8)
+    src, mask = _sources([3], vocab=32)
+    assert len(beam_search(model, src, mask, beam_size=2, bos_id=1, eos_id=2, max_new_tokens=8)) == 1
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        beam_search(model, src, mask, beam_size=2, bos_id=1, eos_id=2, max_new_tokens=9)
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        greedy_seq2seq(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=9)
+
+
+# --------------------------------------------------------------------------------------------------
+# The CLI on tiny checkpoints
+# --------------------------------------------------------------------------------------------------
+CHARS = "abcdefghijklmnop qrstuvwxyz"
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm")
+    tok = CharTokenizer(CHARS, unknown="error")
+    torch.manual_seed(0)
+    model = _peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size, position="learned", max_seq_len=40)))
+    save_checkpoint(out, model=model, tokenizer=tok, kind="lm", step=0, train_config={})
+    return out
+
+
+@pytest.fixture(scope="module")
+def seq2seq_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seq2seq")
+    tok = CharTokenizer(CHARS, SEQ2SEQ_SPECIALS, unknown="error")
+    model = _seq2seq(vocab=tok.vocab_size, seed=3, dtype=torch.float32, max_seq_len=20)
+    save_checkpoint(out, model=model, tokenizer=tok, kind="seq2seq", step=0, train_config={})
+    return out
+
+
+def test_cli_sample_streams_what_generate_returns(lm_run, capsys):
+    ckpt = load_checkpoint(lm_run)
+    tok = ckpt.tokenizer
+    new = generate(ckpt.model, [tok.encode("abc")], max_new_tokens=25, seed=3, top_k=5)[0]
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "abc", "--max-new-tokens", "25", "--seed", "3",
+                 "--top-k", "5"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == "abc" + tok.decode(new) + "\n"
+    # default length: as many tokens as the 40 learned positions leave after the prompt
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "hello", "--greedy"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy == "hello" + tok.decode(generate(ckpt.model, [tok.encode("hello")], max_new_tokens=35,
+                                                   greedy=True)[0]) + "\n"  # fmt: skip
+
+
+def test_cli_sample_stop_string_ends_the_output(lm_run, capsys):
+    main(["sample", "--checkpoint", str(lm_run), "--prompt", "m", "--greedy", "--max-new-tokens", "30"])
+    text = capsys.readouterr().out[1:-1]  # without the prompt and the newline
+    stop = text[8:10]
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "m", "--greedy", "--max-new-tokens", "30",
+                 "--stop", stop, "--stop", "zzzz"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == "m" + text[: text.index(stop)] + "\n"
+
+
+def test_cli_translate_prints_one_line_per_input_line(seq2seq_run, capsys, monkeypatch):
+    ckpt = load_checkpoint(seq2seq_run)
+    tok = ckpt.tokenizer
+    lines = ["hello world", "", "abc", "zyx wv"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["translate", "--checkpoint", str(seq2seq_run), "--beam-size", "3", "--length-penalty", "1.0"]) == 0
+    printed = capsys.readouterr().out.split("\n")
+    assert printed[-1] == "" and len(printed) == len(lines) + 1
+    for line, output in zip(lines, printed):
+        if not line:
+            assert output == ""
+            continue
+        src = torch.tensor([tok.encode(line)])
+        best = beam_search(ckpt.model, src, None, beam_size=3, length_penalty=1.0, bos_id=1, eos_id=2,
+                           max_new_tokens=20)[0]  # fmt: skip
+        assert output == tok.decode(best)  # batched (right-padded) equals one by one
+    assert translate_lines(ckpt, lines, beam_size=3, length_penalty=1.0) == printed[:-1]
+
+
+def test_cli_errors_are_reported_not_raised(lm_run, seq2seq_run, capsys, tmp_path):
+    assert main(["sample", "--checkpoint", str(seq2seq_run), "--prompt", "ab"]) == 2
+    assert "tformer translate" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "39"]) == 2
+    assert "max_seq_len=40" in capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab"]) == 2
+    assert "not a tformer checkpoint" in capsys.readouterr().err
+
+
+def test_text_stream_writes_as_it_goes_and_never_half_a_character():
+    writes = []
+
+    class Out(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return super().write(s)
+
+    stream = TextStream(ByteTokenizer(), Out())
+    for b in "aé€".encode():
+        stream.push(b)
+    stream.close()
+    assert writes == ["a", "é", "€"]
+
+
+def test_cli_end_to_end_in_a_subprocess(lm_run, seq2seq_run):
+    ckpt = load_checkpoint(lm_run)
+    new = generate(ckpt.model, [ckpt.tokenizer.encode("ab")], max_new_tokens=12, seed=7, temperature=0.8)[0]
+    run = subprocess.run([sys.executable, "-m", "tformer", "sample", "--checkpoint", str(lm_run), "--prompt", "ab",
+                          "--max-new-tokens", "12", "--seed", "7", "--temperature", "0.8"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "ab" + ckpt.tokenizer.decode(new) + "\n"
+    run = subprocess.run([sys.executable, "-m", "tformer", "translate", "--checkpoint", str(seq2seq_run)],
+                         input="abc\nhello\n", capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == translate_lines(load_checkpoint(seq2seq_run), ["abc", "hello"])

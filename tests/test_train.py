@@ -1,0 +1,193 @@
+"""Training: exact resume (bitwise), Ctrl-C saves and exits cleanly, metrics/plot files, the schedule and the
+optimizer groups, gradient accumulation, LM and seq2seq (task, pairs) training, bfloat16 autocast, the CLI and
+clear errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tformer.checkpoint import find_latest, load_checkpoint
+from tformer.cli import build_parser
+from tformer.train import TrainConfig, lr_at, make_optimizer, train
+from tformer.train_cli import config_from_args, sample_text
+
+TINY = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300)))
+    return path
+
+
+def _cfg(tmp_path, corpus, name="run", **changes):
+    base = dict(out=str(tmp_path / name), data=str(corpus), cache_dir=str(tmp_path / "cache"), steps=12,
+                batch_size=4, block_size=16, model=dict(TINY), warmup=3, eval_every=4, eval_batches=2,
+                save_every=0, log_every=1, progress=False)  # fmt: skip
+    return TrainConfig(**{**base, **changes})
+
+
+def test_resume_is_bitwise_identical_to_training_straight_through(tmp_path, corpus):
+    model = dict(TINY, dropout=0.2)  # dropout draws random numbers every step
+    straight = train(_cfg(tmp_path, corpus, "straight", model=model))
+    first = train(_cfg(tmp_path, corpus, "split", model=model, stop_after=5))
+    assert first.step == 5 and sorted(first.losses) == [1, 2, 3, 4, 5]
+    second = train(_cfg(tmp_path, corpus, "split", model=model, resume=True))
+    assert sorted(second.losses) == list(range(6, 13))
+    assert {**first.losses, **second.losses} == straight.losses  # float equality: bitwise
+    assert second.val_losses == {k: v for k, v in straight.val_losses.items() if k > 5}
+    a = load_checkpoint(tmp_path / "straight").model.state_dict()
+    b = load_checkpoint(tmp_path / "split").model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))  # one record per step, no repeats
+
+
+def test_outputs_metrics_plot_and_checkpoints(tmp_path, corpus):
+    result = train(_cfg(tmp_path, corpus, save_every=5))
+    out = tmp_path / "run"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 and r["tokens"] == r["step"] * 4 * 16 for r in steps)
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-000010", "step-000012"]
+    assert result.losses[12] < result.losses[1] and result.val_losses[12] < result.val_losses[4] < 5.545  # ln 256
+    assert result.tokens_per_s > 0
+    assert not result.interrupted and result.checkpoint == out / "checkpoints" / "step-000012"
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(out="x", steps=100, warmup=10, lr=1e-3, min_lr=1e-4)
+    assert lr_at(0, cfg) == pytest.approx(1e-4) and lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(55, cfg) == pytest.approx(0.55e-3)  # halfway down the cosine: (lr + min_lr) / 2
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_weight_decay_only_on_matrices():
+    from tformer import DecoderLM, TransformerConfig
+
+    model = DecoderLM(TransformerConfig.tiny(position="learned"))
+    decayed, plain = make_optimizer(model, TrainConfig(out="x", weight_decay=0.1)).param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus):
+    one = train(_cfg(tmp_path, corpus, "one", steps=4, batch_size=8))
+    accumulated = train(_cfg(tmp_path, corpus, "acc", steps=4, batch_size=8, grad_accum=4))
+    for step, loss in one.losses.items():  # same examples; only the summation order differs
+        assert accumulated.losses[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_seq2seq_task_trains_and_its_tokenizer_speaks_the_task(tmp_path):
+    cfg = TrainConfig(out=str(tmp_path / "add"), task="add", task_max_len=2, task_held_out=50, steps=40,
+                      batch_size=16, model=dict(TINY), warmup=5, eval_every=20, lr=3e-3, progress=False)  # fmt: skip
+    result = train(cfg)
+    assert result.kind == "seq2seq" and 0.0 <= result.val_accuracy <= 1.0
+    assert result.losses[40] < result.losses[1]
+    ckpt = load_checkpoint(tmp_path / "add")
+    assert ckpt.kind == "seq2seq" and ckpt.tokenizer.encode("12+3") == [4, 5, 13, 6]  # the task's own ids
+    assert (ckpt.tokenizer.bos_id, ckpt.tokenizer.eos_id, ckpt.tokenizer.pad_id) == (1, 2, 0)
+    assert ckpt.train_config["task"] == "add" and ckpt.config.vocab_size == 14
+
+
+def test_seq2seq_pairs_with_bpe(tmp_path):
+    pairs = tmp_path / "pairs.tsv"
+    words = ["cat", "dog", "house", "tree", "book", "water", "sun", "moon", "star", "road"]
+    pairs.write_text("".join(f"the {a} and the {b}\t{b} {a}\n" for a in words for b in words))
+    cfg = TrainConfig(out=str(tmp_path / "p"), pairs=str(pairs), tokenizer="bpe", vocab_size=300, steps=6,
+                      batch_size=8, model=dict(TINY), warmup=2, progress=False)  # fmt: skip
+    result = train(cfg)
+    ckpt = load_checkpoint(tmp_path / "p")
+    assert ckpt.tokenizer.kind == "bpe" and ckpt.config.vocab_size == ckpt.tokenizer.vocab_size <= 300
+    assert ckpt.tokenizer.decode(ckpt.tokenizer.encode("the moon and the sun")) == "the moon and the sun"
+    assert len(result.losses) == 6 and result.val_accuracy is not None
+
+
+def test_char_tokenizer_lm_and_bfloat16_autocast(tmp_path, corpus):
+    result = train(_cfg(tmp_path, corpus, tokenizer="char", dtype="bfloat16", steps=6, eval_every=0))
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.tokenizer.kind == "char" and ckpt.config.vocab_size == ckpt.tokenizer.vocab_size < 40
+    assert all(torch.isfinite(torch.tensor(v)) for v in result.losses.values())
+    assert next(ckpt.model.parameters()).dtype == torch.float32  # autocast leaves the weights in float32
+
+
+def test_clear_errors(tmp_path, corpus):
+    with pytest.raises(ValueError, match=r"steps must be a positive integer \(--steps\); got 0"):
+        train(_cfg(tmp_path, corpus, steps=0))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train(_cfg(tmp_path, tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+        train(_cfg(tmp_path, corpus, resume=True))
+    with pytest.raises(ValueError, match="give one of data, task, pairs"):
+        train(_cfg(tmp_path, corpus, task="reverse"))
+    with pytest.raises(ValueError, match="batch_size=4 must divide evenly"):
+        train(_cfg(tmp_path, corpus, grad_accum=3))
+    train(_cfg(tmp_path, corpus, steps=2))
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        train(_cfg(tmp_path, corpus, steps=2))
+    with pytest.raises(ValueError, match="a 'lm' model but this run trains a 'seq2seq'"):
+        train(TrainConfig(out=str(tmp_path / "run"), task="reverse", resume=True, progress=False))
+    with pytest.raises(ValueError, match="block_size: saved 16, now 32"):
+        train(_cfg(tmp_path, corpus, block_size=32, resume=True, steps=4))
+    with pytest.raises(ValueError, match="already at step 2 >= steps=2"):
+        train(_cfg(tmp_path, corpus, steps=2, resume=True))
+
+
+def test_cli_resume_takes_the_saved_settings(tmp_path, corpus):
+    parser = build_parser()
+    common = ["train", "--out", str(tmp_path / "cli"), "--no-progress"]
+    flags = ["--data", str(corpus), "--steps", "3", "--block-size", "16", "--d-model", "32", "--layers", "1",
+             "--batch-size", "4", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    args = parser.parse_args([*common, *flags])
+    assert args.func(args) == 0
+    resumed = config_from_args(parser.parse_args([*common, "--resume", "--steps", "5", "--lr", "5e-4"]))
+    assert (resumed.block_size, resumed.model["d_model"], resumed.steps, resumed.lr) == (16, 32, 5, 5e-4)
+    assert resumed.data == str(corpus) and resumed.resume
+    assert args.func(parser.parse_args([*common, "--resume", "--steps", "5"])) == 0
+    assert load_checkpoint(tmp_path / "cli").step == 5
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
+    out = tmp_path / "sigint"
+    command = [sys.executable, "-m", "tformer", "train", "--out", str(out), "--data", str(corpus), "--steps",
+               "1000000", "--batch-size", "4", "--block-size", "16", "--d-model", "32", "--layers", "1",
+               "--save-every", "0", "--eval-every", "0", "--log-every", "1", "--no-progress",
+               "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.stat().st_size > 0) and time.monotonic() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr
+    assert "interrupted at step" in stdout and "--resume" in stdout
+    ckpt = load_checkpoint(out, with_state=True)
+    assert ckpt.step >= 1 and find_latest(out).name == f"step-{ckpt.step:06d}"
+    assert (out / "loss.png").exists()
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["step"] == ckpt.step  # the saved step is the last one logged
+
+
+def test_demo_sampler_runs_past_the_context(tmp_path, corpus):
+    train(_cfg(tmp_path, corpus, steps=2, model=dict(TINY, position="learned")))
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.config.max_seq_len == 16
+    text = sample_text(ckpt.model, ckpt.tokenizer, "def ", max_new_tokens=40, temperature=1.0)
+    assert text.startswith("def ") and len(text.encode()) >= 40  # 44 bytes, some may merge into U+FFFD
+    assert text == sample_text(ckpt.model, ckpt.tokenizer, "def ", max_new_tokens=40, temperature=1.0)
