@@ -154,6 +154,7 @@ def _train_command(out, corpus, cache, *extra):
             "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_leaves_a_loadable_checkpoint(tmp_path):
     """Checkpoint after every step, kill -9 at random moments (mostly mid-write), each time load and resume."""
     corpus = tmp_path / "corpus.txt"

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tformer.checkpoint import list_checkpoints, load_checkpoint
@@ -25,6 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the value is {i * 37 % 101}\n" for i in range(400)))

@@ -160,6 +160,7 @@ def test_cli_resume_takes_the_saved_settings(tmp_path, corpus):
     assert load_checkpoint(tmp_path / "cli").step == 5
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     out = tmp_path / "sigint"
     command = [sys.executable, "-m", "tformer", "train", "--out", str(out), "--data", str(corpus), "--steps",

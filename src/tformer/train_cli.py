@@ -157,7 +157,7 @@ def _summary(result) -> str:
 # --------------------------------------------------------------------------------------------------
 # The demo (make demo)
 # --------------------------------------------------------------------------------------------------
-DEMO = dict(steps=1500, batch_size=16, block_size=128, lr=2e-3, min_lr=2e-4, warmup=100, eval_every=250,
+DEMO = dict(steps=1800, batch_size=16, block_size=128, lr=2e-3, min_lr=2e-4, warmup=100, eval_every=250,
             eval_batches=16, save_every=400, log_every=10)  # fmt: skip
 DEMO_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0)
 
