@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from tformer import DecoderLM, TransformerConfig
 from tformer.sampling import generate
@@ -47,6 +48,74 @@ def hf_model(args: argparse.Namespace):
     return GPT2LMHeadModel(cfg).eval()
 
 
+def step_breakdown(model: DecoderLM, past: int = 100, rounds: int = 20, calls: int = 100) -> dict[str, float]:
+    """Microseconds of one cached decode step (batch 1, ``past`` cached tokens) computed three ways on the same
+    weights: bare ``torch.nn.functional`` calls, the same ops through the ``nn.Module``s, and ``model(...)``.
+    The differences are per-call overhead (module calls, parameter look-ups, checks), not arithmetic."""
+    cfg, F = model.cfg, torch.nn.functional
+    B, C, H, D = 1, cfg.d_model, cfg.num_heads, cfg.head_dim
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model(torch.randint(0, cfg.vocab_size, (B, past)), cache=cache)
+        token, position = torch.tensor([[3]]), torch.tensor([past])
+        blocks, embed = list(model.decoder.stack.blocks), model.decoder.embed
+        final = model.decoder.stack.final_norm
+
+        E, P = embed.tokens.weight, embed.positions.table.weight
+        weights = [
+            (b.self_attn_norm.weight, b.self_attn_norm.bias, b.self_attn.in_proj.weight, b.self_attn.in_proj.bias,
+             b.self_attn.out_proj.weight, b.self_attn.out_proj.bias, b.ff_norm.weight, b.ff_norm.bias,
+             b.ff.up.weight, b.ff.up.bias, b.ff.down.weight, b.ff.down.bias)
+            for b in blocks
+        ]  # fmt: skip
+
+        def attend(qkv: Tensor, K: Tensor, V: Tensor) -> Tensor:  # (B, 1, 3C) -> (B, 1, C); K/V written at past
+            q, k, v = qkv.split_with_sizes([C, C, C], dim=-1)
+            q, k, v = (
+                q.view(B, 1, H, D).transpose(1, 2),
+                k.view(B, 1, H, D).transpose(1, 2),
+                v.view(B, 1, H, D).transpose(1, 2),
+            )
+            K[:, :, past : past + 1], V[:, :, past : past + 1] = k, v
+            o = F.scaled_dot_product_attention(q, K[:, :, : past + 1], V[:, :, : past + 1])  # (B, H, 1, D)
+            return o.transpose(1, 2).reshape(B, 1, C)
+
+        def functional() -> Tensor:
+            x = F.embedding(token, E) + F.embedding(position, P)
+            for (n1w, n1b, wi, bi, wo, bo, n2w, n2b, wu, bu, wd, bd), (K, V) in zip(weights, stores, strict=True):
+                x = x + F.linear(attend(F.linear(F.layer_norm(x, (C,), n1w, n1b), wi, bi), K, V), wo, bo)
+                x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (C,), n2w, n2b), wu, bu)), wd, bd)
+            return F.linear(F.layer_norm(x, (C,), final.weight, final.bias), E)
+
+        def modules() -> Tensor:
+            x = embed.tokens(token) + embed.positions.table(position)
+            for block, (K, V) in zip(blocks, stores, strict=True):
+                attn = block.self_attn
+                x = x + attn.out_proj(attend(attn.in_proj(block.self_attn_norm(x)), K, V))
+                x = x + block.ff(block.ff_norm(x))
+            return F.linear(final(x), embed.tokens.weight)
+
+        def full_model() -> Tensor:
+            logits = model(token, cache=cache)
+            for c in cache:  # forget the token again, so every call sees `past` cached tokens
+                c.self_kv.length -= 1
+            return logits
+
+        reference = full_model()  # the first step also grows the cache storage to its final size
+        stores = [(c.self_kv.k, c.self_kv.v) for c in cache]
+        for run in (functional, modules):  # the same step three ways: the same logits
+            torch.testing.assert_close(run(), reference, rtol=1e-5, atol=1e-5)
+        ways = {"bare functional ops": functional, "the same through nn.Modules": modules, "tformer model": full_model}
+        best = dict.fromkeys(ways, float("inf"))
+        for _ in range(rounds):
+            for name, run in ways.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                best[name] = min(best[name], (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
 def unused_token(tokens: list[int], vocab: int) -> int:
     """A token id absent from ``tokens``: as EOS it is checked every step but never ends the run early."""
     return next(t for t in range(vocab) if t not in set(tokens))
@@ -70,11 +139,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face (transformers not installed)")
+    p.add_argument("--breakdown", action="store_true", help="only time one decode step three ways (see step_breakdown)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     prompt = torch.randint(0, args.vocab, (1, args.prompt))
     ours = tformer_model(args)
+    if args.breakdown:
+        print("| one cached decode step (100 cached tokens) | us |\n|---|---:|")
+        for name, us in step_breakdown(ours).items():
+            print(f"| {name} | {us:.0f} |")
+        return
     n = args.new
     ours_eos = unused_token(generate(ours, prompt, max_new_tokens=n, greedy=True)[0], args.vocab)
 

@@ -276,7 +276,8 @@ def test_cli_errors_are_reported_not_raised(lm_run, seq2seq_run, capsys, tmp_pat
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "39"]) == 2
-    assert "max_seq_len=40" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "max_seq_len=40" in printed.err and printed.out == ""  # nothing echoed before the error
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab"]) == 2
     assert "not a tformer checkpoint" in capsys.readouterr().err
 
@@ -289,11 +290,14 @@ def test_text_stream_writes_as_it_goes_and_never_half_a_character():
             writes.append(s)
             return super().write(s)
 
-    stream = TextStream(ByteTokenizer(), Out())
+    stream = TextStream(ByteTokenizer(), Out(), prefix="> ")
     for b in "aé€".encode():
         stream.push(b)
     stream.close()
-    assert writes == ["a", "é", "€"]
+    assert writes == ["> a", "é", "€"]
+    empty = TextStream(ByteTokenizer(), Out(), prefix="prompt")
+    empty.close()  # no token at all: the prompt is still written
+    assert writes[-1] == "prompt"
 
 
 def test_cli_end_to_end_in_a_subprocess(lm_run, seq2seq_run):

@@ -83,10 +83,11 @@ def _errors(command: str, run: Callable[[], int]) -> int:
 # --------------------------------------------------------------------------------------------------
 class TextStream:
     """Writes the text of a growing token list as it grows: only the new characters each time, and never a
-    trailing U+FFFD that may be half of a multi-byte character still being generated."""
+    trailing U+FFFD that may be half of a multi-byte character still being generated. ``prefix`` (the prompt)
+    is written with the first text, so nothing is written if generation fails before it starts."""
 
-    def __init__(self, tokenizer, out: TextIO) -> None:
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out: TextIO, prefix: str = "") -> None:
+        self.tokenizer, self.out, self.prefix = tokenizer, out, prefix
         self.tokens: list[int] = []
         self.written = 0
 
@@ -97,17 +98,18 @@ class TextStream:
     def _write(self, final: bool) -> None:
         text = self.tokenizer.decode(self.tokens)
         end = len(text) if final else len(text.rstrip("\ufffd"))
-        if end > self.written:
-            self.out.write(text[self.written : end])
+        if end > self.written or (final and self.prefix):
+            self.out.write(self.prefix + text[self.written : end])
             self.out.flush()
-            self.written = end
+            self.prefix, self.written = "", end
 
     def close(self) -> None:
         self._write(final=True)
 
 
 def sample_to(out: TextIO, ckpt, prompt: str, *, max_new_tokens: int | None = None, **sampling) -> list[int]:
-    """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids."""
+    """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
+    Bad settings raise ``ValueError`` before anything is written."""
     tokenizer, cfg = ckpt.tokenizer, ckpt.model.cfg
     ids = tokenizer.encode(prompt)
     if not ids:
@@ -115,9 +117,7 @@ def sample_to(out: TextIO, ckpt, prompt: str, *, max_new_tokens: int | None = No
     if max_new_tokens is None:
         room = cfg.max_seq_len - len(ids) if cfg.position == "learned" else DEFAULT_NEW_TOKENS
         max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, room))
-    out.write(prompt)
-    out.flush()
-    stream = TextStream(tokenizer, out)
+    stream = TextStream(tokenizer, out, prefix=prompt)
     new = generate(ckpt.model, [ids], max_new_tokens=max_new_tokens, tokenizer=tokenizer,
                    eos_id=getattr(tokenizer, "eos_id", None), on_token=lambda _row, tok: stream.push(tok),
                    **sampling)[0]  # fmt: skip

@@ -19,6 +19,8 @@ Shape legend: B batch, P padded prompt length, N generated tokens so far, V voca
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -28,12 +30,16 @@ from tformer.models import DecoderLM
 NEG_INF = float("-inf")
 
 
+class TextDecoder(Protocol):
+    """What stop strings need of a tokenizer (any :class:`tformer.tokenization.Tokenizer` has it)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 # --------------------------------------------------------------------------------------------------
 # Pure filters on logits (..., V)
 # --------------------------------------------------------------------------------------------------
-def check_sampling_args(
-    temperature: float, top_k: int | None, top_p: float | None, greedy: bool
-) -> None:  # fmt: skip
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None, greedy: bool) -> None:
     """Raise ``ValueError`` for settings that define no distribution."""
     if not greedy and not temperature > 0:
         raise ValueError(f"temperature must be > 0 when sampling (use greedy=True for T -> 0); got {temperature}")
@@ -106,6 +112,24 @@ def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) 
     return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)])
 
 
+@dataclass(frozen=True)
+class SamplingRule:
+    """The settings of one sampling step, applied by :meth:`pick` to logits ``(B, V)``."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+    generators: Sequence[torch.Generator] | None = None  # one per row, or None: torch's global RNG
+
+    def pick(self, logits: Tensor) -> Tensor:
+        """One token per row ``(B,)``."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        filtered = filter_logits(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return sample(filtered, self.generators)
+
+
 # --------------------------------------------------------------------------------------------------
 # Stop conditions
 # --------------------------------------------------------------------------------------------------
@@ -119,7 +143,9 @@ class Stopper:
     text of a token that straddles the stop string's start is lost with it.
     """
 
-    def __init__(self, stop: Sequence[str | Sequence[int]] | None, eos_id: int | None, tokenizer=None) -> None:
+    def __init__(
+        self, stop: Sequence[str | Sequence[int]] | None, eos_id: int | None, tokenizer: TextDecoder | None = None
+    ) -> None:
         self.eos_id = eos_id
         self.id_stops: list[list[int]] = []
         self.text_stops: list[str] = []
@@ -273,7 +299,7 @@ def generate(
     seed: int | Sequence[int] | None = None,
     stop: Sequence[str | Sequence[int]] | None = None,
     eos_id: int | None = None,
-    tokenizer=None,
+    tokenizer: TextDecoder | None = None,
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
@@ -318,54 +344,57 @@ def generate(
         return outputs
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, cfg.pad_id or 0, device)
-    generators = _generators(seed, B, device)
+    rule = SamplingRule(temperature, top_k, top_p, greedy, _generators(seed, B, device))
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            tokens = _decode_loop(model, ids, mask, max_new_tokens, temperature, top_k, top_p, greedy,
-                                  generators, stopper, use_cache, on_token, outputs)  # fmt: skip
+            lm = IncrementalLM(model, ids, mask, max_new_tokens=max_new_tokens, use_cache=use_cache)
+            if not stopper.active and on_token is None:  # no row can end early: no host sync until the end
+                return _decode_block(lm, rule, max_new_tokens).tolist()
+            _decode_rows(lm, rule, max_new_tokens, stopper, on_token, outputs)
+            return outputs
     finally:
         model.train(was_training)
-    if tokens is not None:  # nothing could stop early: the whole block is the output
-        return tokens.tolist()
-    return outputs
 
 
-def _decode_loop(model, ids, mask, max_new_tokens, temperature, top_k, top_p, greedy, generators, stopper,
-                 use_cache, on_token, outputs) -> Tensor | None:  # fmt: skip
-    """The step loop. Returns the ``(B, N)`` token block when rows cannot end early, else fills ``outputs``."""
-    lm = IncrementalLM(model, ids, mask, max_new_tokens=max_new_tokens, use_cache=use_cache)
-    watch = stopper.active or on_token is not None  # else no host sync at all until the end
-    done = [False] * ids.shape[0]
-    shown = [0] * ids.shape[0]
+def _decode_block(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int) -> Tensor:
+    """``max_new_tokens`` steps for every row; returns the new tokens ``(B, N)``."""
     logits = lm.prefill()
     for n in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(dim=-1)  # (B,)
-        else:
-            token = sample(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), generators)
-        if watch:
-            last = n == max_new_tokens - 1
-            for b, t in enumerate(token.tolist()):
-                if done[b]:
-                    continue
-                row = outputs[b]
-                row.append(t)
-                end = stopper.end(row) if stopper.active else None
-                if end is not None:
-                    del row[end:]
-                    done[b] = True
-                settled = len(row) if done[b] or last else stopper.settled(row)
-                if on_token is not None:
-                    for tok in row[shown[b] : settled]:
-                        on_token(b, tok)
-                shown[b] = max(shown[b], settled)
-            if all(done):
-                return None
+        token = rule.pick(logits)  # (B,)
         if n < max_new_tokens - 1:
             logits = lm.step(token)
-        else:
+        else:  # the last token is kept, not fed
             lm.ids[:, lm.length] = token
             lm.length += 1
-    return None if watch else lm.ids[:, ids.shape[1] : lm.length]
+    return lm.ids[:, lm.length - max_new_tokens : lm.length]
+
+
+def _decode_rows(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int, stopper: Stopper,
+                 on_token: Callable[[int, int], None] | None, outputs: list[list[int]]) -> None:  # fmt: skip
+    """Steps until every row has ended or ``max_new_tokens``; each row's kept tokens go to ``outputs[row]``,
+    and to ``on_token`` once no stop can claim them."""
+    B = lm.ids.shape[0]
+    done, shown = [False] * B, [0] * B  # shown: tokens of the row already passed to on_token
+    logits = lm.prefill()
+    for n in range(max_new_tokens):
+        token = rule.pick(logits)  # (B,)
+        last = n == max_new_tokens - 1
+        for b, t in enumerate(token.tolist()):
+            if done[b]:
+                continue
+            row = outputs[b]
+            row.append(t)
+            end = stopper.end(row) if stopper.active else None
+            if end is not None:
+                del row[end:]
+                done[b] = True
+            settled = len(row) if done[b] or last else stopper.settled(row)
+            if on_token is not None:
+                for tok in row[shown[b] : settled]:
+                    on_token(b, tok)
+            shown[b] = max(shown[b], settled)
+        if all(done) or last:
+            return
+        logits = lm.step(token)
