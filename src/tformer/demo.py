@@ -50,6 +50,43 @@ def evaluate(model: EncoderDecoder, task: SequenceTask, sources: list[tuple[int,
     return correct / len(sources), predictions
 
 
+def train_seq2seq(
+    task: SequenceTask,
+    cfg: TransformerConfig,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    seed: int = 0,
+    exclude: set[tuple[int, ...]] | None = None,
+    progress: bool = False,
+) -> tuple[EncoderDecoder, float]:
+    """Train a fresh :class:`EncoderDecoder` on ``steps`` batches of ``task`` (never on a source in
+    ``exclude``) with teacher forcing; return the model in eval mode and the last training loss."""
+    torch.manual_seed(seed)
+    model = EncoderDecoder(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc=f"training {task.name} ({num_parameters(model):,} params)", disable=not progress)
+    loss_value = float("nan")
+    model.train()
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_cosine(step, steps, warmup=max(1, steps // 20), lr=lr, min_lr=lr / 20)
+        src, src_mask, tgt, tgt_mask = task.batch(batch_size, gen, exclude)
+        logits = model(src, tgt[:, :-1], src_mask, tgt_mask[:, :-1])  # (B, T-1, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt[:, 1:].reshape(-1), ignore_index=PAD)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 10 == 0 or step == steps - 1:
+            loss_value = loss.item()
+            bar.set_postfix(loss=f"{loss_value:.4f}")
+    model.eval()
+    return model, loss_value
+
+
 def run_demo(
     *,
     task: SequenceTask | None = None,
@@ -68,31 +105,12 @@ def run_demo(
         vocab_size=task.vocab_size, d_model=64, num_heads=4, num_layers=2, d_ff=256,
         max_seq_len=task.max_target_len, position="sinusoidal", norm_first=True, pad_id=PAD,
     )  # fmt: skip
-    model = EncoderDecoder(cfg)
     test_sources = task.held_out(held_out, seed=seed + 1)
-    # Keep the held-out sequences out of training. Very short ones cannot be held out (all 10 sequences of
-    # length 1 would be withheld and the model would never see that length), so only lengths with at least
-    # 1000 possible sequences are excluded; for those the held-out set is truly unseen.
-    exclude = {s for s in test_sources if task.num_symbols ** len(s) >= 1000}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    gen = torch.Generator().manual_seed(seed)
+    exclude = {s for s in test_sources if task.can_withhold(s)}  # held out = never trained on, where possible
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc=f"training {task.name} ({num_parameters(model):,} params)", disable=not progress)
-    loss_value = float("nan")
-    model.train()
-    for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_cosine(step, steps, warmup=max(1, steps // 20), lr=lr, min_lr=lr / 20)
-        src, src_mask, tgt, tgt_mask = task.batch(batch_size, gen, exclude)
-        logits = model(src, tgt[:, :-1], src_mask, tgt_mask[:, :-1])  # (B, T-1, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt[:, 1:].reshape(-1), ignore_index=PAD)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        loss_value = loss.item()
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{loss_value:.4f}")
+    model, loss_value = train_seq2seq(
+        task, cfg, steps=steps, batch_size=batch_size, lr=lr, seed=seed, exclude=exclude, progress=progress
+    )
     accuracy, predictions = evaluate(model, task, test_sources)
     examples = [(list(s), task.target(s), p) for s, p in zip(test_sources[:5], predictions[:5], strict=True)]
     return DemoResult(accuracy, loss_value, steps, time.perf_counter() - start, examples)

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tformer.config import TransformerConfig
-from tformer.demo import evaluate, warmup_cosine
+from tformer.demo import evaluate, train_seq2seq
 from tformer.experiments._common import Table, fmt, layer_attention_probs, new_figure, save_figure, single_thread
 from tformer.layers import MultiHeadAttention
 from tformer.models import EncoderDecoder
@@ -118,37 +117,6 @@ class AttentionMapsResult:
         return [save_figure(fig, out_dir, "attention-maps")]
 
 
-def train_reverse(
-    task: SequenceTask,
-    cfg: TransformerConfig,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    exclude: set[tuple[int, ...]],
-) -> tuple[EncoderDecoder, float]:
-    """Train an :class:`EncoderDecoder` on ``task`` as :func:`tformer.demo.run_demo` does, never on a source in
-    ``exclude``; return the model (in eval mode) and the final training loss."""
-    torch.manual_seed(seed)
-    model = EncoderDecoder(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    gen = torch.Generator().manual_seed(seed)
-    loss = torch.tensor(float("nan"))
-    model.train()
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_cosine(step, steps, warmup=max(1, steps // 20), lr=lr, min_lr=lr / 20)
-        src, src_mask, tgt, tgt_mask = task.batch(batch_size, gen, exclude)
-        logits = model(src, tgt[:, :-1], src_mask, tgt_mask[:, :-1])  # (B, T-1, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt[:, 1:].reshape(-1), ignore_index=PAD)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    model.eval()
-    return model, loss.item()
-
-
 def _record_inputs(modules: list[MultiHeadAttention]) -> tuple[list[dict[str, Any]], list]:
     """Forward pre-hooks storing each call's arguments by name (as ``MultiHeadAttention.forward`` binds them)."""
     signature = inspect.signature(MultiHeadAttention.forward)
@@ -229,7 +197,15 @@ def run(
     map_sources = fixed.held_out(64, seed=seed + 2)  # all of length S: no padding
     start = time.perf_counter()
     with single_thread():
-        model, final_loss = train_reverse(task, cfg, steps, batch_size, lr, seed, set(test_sources) | set(map_sources))
+        model, final_loss = train_seq2seq(
+            task,
+            cfg,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            exclude=set(test_sources) | set(map_sources),
+        )
         seconds = time.perf_counter() - start
         accuracy, _ = evaluate(model, task, test_sources)
     src, _, tgt, _ = fixed.collate(map_sources)
