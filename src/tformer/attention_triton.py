@@ -26,6 +26,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from tformer.attention_tiled import LOG2E
 
@@ -254,7 +255,8 @@ def _as_4d(t: Tensor) -> Tensor:
 def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, block: int | None):
     B, H, L, E = q.shape
     S, EV = k.shape[2], v.shape[-1]
-    block = block or (64 if q.is_cuda else 16)
+    if block is None:  # interpreter: small tiles run fastest; GPU: 64 (32 for wide heads: registers)
+        block = 16 if not q.is_cuda else (64 if max(E, EV) <= 128 else 32)
     if mask is None:
         mask_arg, strides, kind = q, (0, 0, 0, 0), MASK_NONE  # dummy pointer, never read
     else:
@@ -284,6 +286,7 @@ class _TritonAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, mask, out, lse2 = ctx.saved_tensors
         is_causal, scale, block = ctx.args
@@ -315,7 +318,8 @@ def triton_attention(
 
     query ``(B, H, L, E)``, key ``(B, Hkv, S, E)``, value ``(B, Hkv, S, Ev)`` -> ``(B, H, L, Ev)``
     (2-D and 3-D inputs get leading dims of 1). ``block_size``: query rows and keys per program tile
-    (default 64 on CUDA, 16 in the interpreter). Raises NotImplementedError for unsupported inputs.
+    (default 64 on CUDA, 32 for head dims over 128, 16 in the interpreter). Raises NotImplementedError
+    for unsupported inputs.
     """
     reason = _unsupported(query, key, value, attn_mask)
     if reason is not None:
