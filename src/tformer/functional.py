@@ -215,12 +215,12 @@ def _sdpa_attention(
     )  # fmt: skip
 
 
-def resolve_backend(backend: str, query: Tensor, dropout_p: float = 0.0) -> str:
-    """The concrete backend ``"auto"`` stands for on this device and these inputs.
+def resolve_backend(backend: str) -> str:
+    """The concrete backend that ``backend`` names (validated).
 
-    ``"auto"`` is PyTorch's SDPA, which on CPU runs a fused flash kernel (exact, O(n) memory) and on CUDA
-    the FlashAttention-2 / memory-efficient kernels; both were the fastest exact paths we measured
-    (see BENCHMARKS.md).
+    ``"auto"`` is PyTorch's SDPA. On CPU its fused flash kernel (exact, O(n) memory) was the fastest exact path
+    measured (see BENCHMARKS.md); on CUDA it runs the FlashAttention-2 / memory-efficient kernels, and the
+    Triton backend is not chosen automatically until it has been measured against them on a GPU.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -259,7 +259,7 @@ def scaled_dot_product_attention(
     _check_attention_args(query, key, value, attn_mask)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    name = resolve_backend(backend, query, dropout_p)
+    name = resolve_backend(backend)
     if name == "reference":
         return reference_attention(query, key, value, attn_mask, is_causal, scale, dropout_p)
     if name == "sdpa":
