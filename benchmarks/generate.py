@@ -1,8 +1,8 @@
 """Generation speed: tformer with the KV cache, without it, and Hugging Face ``GPT2LMHeadModel.generate``.
 
 Same sizes on both sides (random weights; nothing is copied): 4 layers, 4 heads, d_model 128, d_ff 512,
-a 65-token character vocabulary, 256 learned positions, tied embeddings, Pre-LN, GELU (HF: its default
-tanh-approximated GELU). Batch 1, a 16-token prompt, 200 new tokens, greedy.
+a 65-token character vocabulary, 256 learned positions, tied embeddings, Pre-LN, GPT-2's tanh-approximated
+GELU (``activation="gelu_tanh"``; HF's default ``gelu_new``). Batch 1, a 16-token prompt, 200 new tokens, greedy.
 
 Two comparisons: without any stop condition (HF with no EOS token: its fastest path, no per-step check), and
 with an EOS id checked every step on both sides (an id the greedy output never holds, so all 200 tokens are
@@ -30,7 +30,7 @@ from tformer.sampling import generate
 def tformer_model(args: argparse.Namespace) -> DecoderLM:
     cfg = TransformerConfig(
         vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
-        d_ff=4 * args.d_model, max_seq_len=args.positions, position="learned", activation="gelu",
+        d_ff=4 * args.d_model, max_seq_len=args.positions, position="learned", activation="gelu_tanh",
         norm_first=True, tie_embeddings=True,
     )  # fmt: skip
     return DecoderLM(cfg).eval()
@@ -84,7 +84,7 @@ def step_breakdown(model: DecoderLM, past: int = 100, rounds: int = 20, calls: i
             x = F.embedding(token, E) + F.embedding(position, P)
             for (n1w, n1b, wi, bi, wo, bo, n2w, n2b, wu, bu, wd, bd), (K, V) in zip(weights, stores, strict=True):
                 x = x + F.linear(attend(F.linear(F.layer_norm(x, (C,), n1w, n1b), wi, bi), K, V), wo, bo)
-                x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (C,), n2w, n2b), wu, bu)), wd, bd)
+                x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (C,), n2w, n2b), wu, bu), approximate="tanh"), wd, bd)
             return F.linear(F.layer_norm(x, (C,), final.weight, final.bias), E)
 
         def modules() -> Tensor:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from tformer import DecoderLM, MultiHeadAttention, TransformerBlock, TransformerConfig
+from tformer.layers import FeedForward
 
 TOL = dict(rtol=1e-10, atol=1e-10)  # float64 on both sides: differences are summation order only
 
@@ -138,3 +139,38 @@ def test_post_ln_gradients_grow_toward_the_output_pre_ln_do_not():
     assert post[-1] / post[0] > 1.3
     assert pre[-1] / pre[0] < 0.8
     assert post[-1] > 3 * pre[-1]
+
+
+def test_grouped_query_mha_equals_repeated_key_value_heads():
+    """H=6 query heads share Hkv=2 key/value heads: query head j reads kv head j // 3 (repeat_interleave)."""
+    torch.manual_seed(3)
+    B, T, d, H, Hkv = 2, 5, 24, 6, 2
+    D = d // H
+    mha = MultiHeadAttention(d, H, num_kv_heads=Hkv).double()
+    assert mha.in_proj.weight.shape == (d + 2 * Hkv * D, d)
+    x = torch.randn(B, T, d, dtype=torch.float64)
+    q, k, v = nn.functional.linear(x, mha.in_proj.weight, mha.in_proj.bias).split([d, Hkv * D, Hkv * D], dim=-1)
+    q = q.view(B, T, H, D).transpose(1, 2)
+    k, v = (t.view(B, T, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    weights = (q @ k.transpose(-1, -2) / D**0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+    expected = mha.out_proj((weights @ v).transpose(1, 2).reshape(B, T, d))
+    torch.testing.assert_close(mha(x, is_causal=True), expected, **TOL)
+
+
+def test_gelu_tanh_is_gpt2_activation_and_close_to_exact_gelu():
+    torch.manual_seed(4)
+    exact = FeedForward(16, 64, activation="gelu").double()
+    approx = FeedForward(16, 64, activation="gelu_tanh").double()
+    approx.load_state_dict(exact.state_dict())
+    x = 3 * torch.randn(50, 16, dtype=torch.float64)
+    h = approx.up(x)
+    gpt2 = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))  # GPT-2's gelu
+    torch.testing.assert_close(approx(x), approx.down(gpt2), **TOL)
+    # |GELU - its tanh approximation| < 5e-4 everywhere (max 4.73e-4, at |h| = 2.70), so the layer outputs
+    # differ by at most that times the l1 norm of a row of W_2
+    bound = 5e-4 * approx.down.weight.abs().sum(dim=1).max()
+    difference = (approx(x) - exact(x)).abs().max()
+    assert 0 < difference < bound
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        FeedForward(16, 64, activation="swish")

@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 Position = Literal["sinusoidal", "rotary", "learned", "none"]
 AttnBackend = Literal["auto", "reference", "sdpa", "tiled", "triton"]
-Activation = Literal["relu", "gelu"]
+Activation = Literal["relu", "gelu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class TransformerConfig:
     ``position``: ``"sinusoidal"`` (added table, any length), ``"rotary"`` (RoPE in every attention,
     any length), ``"learned"`` (a trained table of ``max_seq_len`` rows; longer inputs are an error),
     ``"none"``.
+    ``activation`` of the feed-forward layer: ``"relu"`` (the 2017 paper), ``"gelu"`` (exact,
+    ``x Phi(x)``) or ``"gelu_tanh"`` (GPT-2's tanh approximation, within 5e-4 of the exact one).
     """
 
     vocab_size: int = 256

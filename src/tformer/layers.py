@@ -7,7 +7,9 @@ D head dim (C / H). Masks follow the library convention of :mod:`tformer.functio
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +17,10 @@ from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
 from tformer.functional import (
+    dispatch_attention,
+    resolve_backend,
     rotary_cos_sin,
     rotate_pairs,
-    scaled_dot_product_attention,
     sinusoidal_positional_encoding,
 )
 
@@ -47,10 +50,10 @@ class KVCache:
                 grown_k[..., : self.length, :] = self.k[..., : self.length, :]
                 grown_v[..., : self.length, :] = self.v[..., : self.length, :]
             self.k, self.v = grown_k, grown_v
-        self.k[..., self.length : new_len, :] = k
-        self.v[..., self.length : new_len, :] = v
+        self.k.narrow(-2, self.length, k.shape[-2]).copy_(k)  # narrow + copy_: cheaper calls than slice assignment
+        self.v.narrow(-2, self.length, v.shape[-2]).copy_(v)
         self.length = new_len
-        return self.k[..., :new_len, :], self.v[..., :new_len, :]
+        return self.k.narrow(-2, 0, new_len), self.v.narrow(-2, 0, new_len)
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (beam search re-ranking)."""
@@ -173,6 +176,7 @@ class MultiHeadAttention(nn.Module):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={num_heads}")
         self.head_dim = d_model // num_heads
+        resolve_backend(backend)  # an unknown name fails here, not at the first forward
         self.d_model, self.dropout, self.backend, self.rotary = d_model, dropout, backend, rotary
         kv_dim = self.num_kv_heads * self.head_dim
         self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)  # rows: W^Q | W^K | W^V
@@ -199,12 +203,9 @@ class MultiHeadAttention(nn.Module):
         """
         B, T, C = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        kv_dim = Hkv * D
-        if context is None:  # self-attention: one matmul for q, k, v
-            q, k, v = self.in_proj(x).split_with_sizes([C, kv_dim, kv_dim], dim=-1)  # (B, T, C), (B, T, Hkv*D) x2
-            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        if context is None:  # self-attention: one matmul gives the H query heads, then Hkv key and Hkv value heads
+            qkv = self.in_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, T, D)
+            q, k, v = qkv.split_with_sizes([H, Hkv, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
             if self.rotary is not None:
                 if positions is None:
                     past = cache.self_kv.length if cache is not None else 0
@@ -214,20 +215,26 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.self_kv.update(k, v)  # (B, Hkv, S_past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
             weight, bias = self.in_proj.weight, self.in_proj.bias
-            q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), self.num_heads)
+            q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), H)
             if cache is not None and cache.cross_kv is not None:
                 k, v = cache.cross_kv
             else:
                 kv = F.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
-                k, v = (self._heads(t, self.num_kv_heads) for t in kv.split([kv_dim, kv_dim], dim=-1))
+                k, v = self._heads(kv, 2 * Hkv).split_with_sizes([Hkv, Hkv], dim=1)  # (B, Hkv, S, D) x2
                 if cache is not None:
                     cache.cross_kv = (k, v)
-        out = scaled_dot_product_attention(
-            q, k, v, attn_mask, is_causal,
-            dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-        )  # fmt: skip  # (B, H, T, D)
+        dropout_p = self.dropout if self.training else 0.0
+        # q, k, v are right by construction: skip the argument checks of scaled_dot_product_attention
+        out = dispatch_attention(q, k, v, attn_mask, is_causal, None, dropout_p, resolve_backend(self.backend))
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
         return self.out_proj(out)
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # x Phi(x), Phi the standard normal CDF
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),  # GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+}
 
 
 class FeedForward(nn.Module):
@@ -235,10 +242,12 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, dropout: float = 0.0, activation: str = "relu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
         self.up = nn.Linear(d_model, d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.activation = F.gelu if activation == "gelu" else F.relu
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.activation(self.up(x))

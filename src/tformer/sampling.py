@@ -236,7 +236,7 @@ class IncrementalLM:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
-        self.ids[:, self.length] = tokens
+        self.ids.select(1, self.length).copy_(tokens)  # ids[:, length] = tokens, in fewer calls
         self.length += 1
         if self.cache is None:
             return self.model(self.ids[:, : self.length], self._mask())[:, -1]

@@ -14,11 +14,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from tformer.checkpoint import CHECKPOINTS_DIR, CheckpointError, find_latest, load_checkpoint, read_manifest
+from tformer.config import Activation, AttnBackend, Position
 
 # flag -> TransformerConfig field (model size and shape)
 MODEL_FLAGS = {"d_model": "d_model", "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
@@ -54,10 +55,10 @@ def add_cli(subparsers) -> None:
     g.add_argument("--kv-heads", type=int, default=S)
     g.add_argument("--d-ff", type=int, default=S)
     g.add_argument("--dropout", type=float, default=S)
-    g.add_argument("--position", choices=["sinusoidal", "rotary", "learned", "none"], default=S)
-    g.add_argument("--activation", choices=["relu", "gelu"], default=S)
+    g.add_argument("--position", choices=get_args(Position), default=S)
+    g.add_argument("--activation", choices=get_args(Activation), default=S)
     g.add_argument("--norm", choices=["pre", "post"], default=S, help="Pre-LN or Post-LN blocks")
-    g.add_argument("--attn-backend", choices=["auto", "reference", "sdpa", "tiled", "triton"], default=S)
+    g.add_argument("--attn-backend", choices=get_args(AttnBackend), default=S)
     g.add_argument("--block-size", type=int, default=S, help="LM context length (default 128)")
     g = p.add_argument_group("optimization")
     for flag, kind, text in [
