@@ -11,6 +11,10 @@ may attend nothing). The backward recomputes ``P = 2^(z - lse2)`` tile by tile i
 over key tiles (dK, dV: each program sums over the G query heads of its key/value head, so no atomics)
 and one over query tiles (dQ), with ``D = rowsum(dO * O)`` computed once in PyTorch.
 
+Tiles: on CUDA, unless the caller fixes them, ``triton.autotune`` times a few (BLOCK_M, BLOCK_N, warps,
+pipeline stages) configurations per kernel on the first call for each shape, dtype and mask kind, and keeps
+the fastest; in the interpreter the tiles are 16 x 16.
+
 Supported: CUDA tensors (or CPU tensors when triton was imported with ``TRITON_INTERPRET=1``: its
 interpreter then runs the kernels with numpy); float16, bfloat16 and float32 (float32 products in
 IEEE precision, not TF32); inputs of 2 to 4 dims with equal batch sizes; grouped-query heads;
@@ -33,6 +37,7 @@ from tformer.attention_tiled import LOG2E
 triton = None  # the triton package and triton.language, bound by _load() on first use
 tl = None
 _JITTED = False
+_AUTOTUNED = {}  # kernel name -> its triton.autotune wrapper (CUDA only), made by _jit_all()
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 
@@ -67,7 +72,35 @@ def _jit_all() -> None:
         jit = triton.jit
     for name in ("_load_tile", "_store_tile", "_score_tile", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
         globals()[name] = jit(globals()[name])
+    if not _interpreting():
+        for name, tiles in _TILES.items():
+            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+            prune = {"early_config_prune": _prune_wide_heads}
+            _AUTOTUNED[name] = triton.autotune(configs, key=_TUNE_KEY, prune_configs_by=prune)(globals()[name])
     _JITTED = True
+
+
+# Configurations that triton.autotune tries on CUDA, (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel,
+# after the FlashAttention-2 Triton kernels (Triton's fused-attention tutorial): the forward keeps a long
+# query tile and walks short key tiles; dK/dV keep a long key tile (their two accumulators) and walk short
+# query tiles; dQ the reverse. Tiles of 128 x 128 take 8 warps. The last entry of each list is small
+# enough for head dims up to 256 (see _prune_wide_heads). Each entry costs one compilation per shape
+# class and one timing per key, so the lists stay short.
+_TILES = {
+    "_fwd_kernel": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3),
+                    (64, 32, 4, 2)],
+    "_bwd_dq_kernel": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
+    "_bwd_dkdv_kernel": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)],
+}  # fmt: skip
+_TUNE_KEY = ["L", "S", "E", "EV", "GROUPS", "MASK_KIND", "IS_CAUSAL"]  # triton adds the tensors' dtypes
+
+
+def _prune_wide_heads(configs, named_args, **kwargs):
+    """Head dims over 128: only tiles of at most 64 x 32 (accumulators 256 columns wide fill the registers,
+    and larger tiles the shared memory)."""
+    if max(named_args["E"], named_args["EV"]) <= 128:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,8 +152,8 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse, smb, smh, sml, sms, H, L, S, E, EV, qk_
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
     hi = S
-    if IS_CAUSAL:
-        hi = tl.minimum(S, (pid_m + 1) * BLOCK_M)  # later key tiles lie above the diagonal
+    if IS_CAUSAL:  # keys j <= i < (pid_m + 1) * BLOCK_M; the last tile walked may cross it (masked in it),
+        hi = tl.minimum(S, (pid_m + 1) * BLOCK_M)  # so any BLOCK_N works with any BLOCK_M
     for j0 in range(0, hi, BLOCK_N):
         cols = j0 + offs_n
         k = _load_tile(K, bhk * S, cols, S, dims, E)  # (BLOCK_N, BLOCK_E)
@@ -184,8 +217,8 @@ def _bwd_dkdv_kernel(Q, K, V, Mask, DO, Lse, Delta, DK, DV, smb, smh, sml, sms, 
     dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
     lo = 0
-    if IS_CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier query tiles see none of these keys
+    if IS_CAUSAL:  # rows i >= j >= pid_n * BLOCK_N: start at the query tile holding that row (any BLOCK_M)
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
     for g in range(GROUPS):
         h = hk * GROUPS + g
         bh = b * H + h
@@ -252,11 +285,29 @@ def _as_4d(t: Tensor) -> Tensor:
     return t.view((1,) * (4 - t.dim()) + tuple(t.shape))
 
 
-def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, block: int | None):
+AUTOTUNE_MIN_LENGTH = 256  # shorter queries or keys (decoding steps, short prompts) take fixed tiles
+
+
+def _blocks(block_size: int | tuple[int, int] | None, q: Tensor, k: Tensor) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) from ``block_size`` (an int for both, or a pair); 16 x 16 in the interpreter, where
+    small tiles run fastest. On CUDA without ``block_size``: None (autotuned tiles) when the query and key
+    lengths are both at least ``AUTOTUNE_MIN_LENGTH``, else fixed tiles, so that decoding (one new query,
+    a key length that grows every step) never pays for a new tuning run per step."""
+    if block_size is None:
+        if not q.is_cuda or _interpreting():
+            return 16, 16
+        if min(q.shape[-2], k.shape[-2]) >= AUTOTUNE_MIN_LENGTH:
+            return None
+        return (64, 64) if max(q.shape[-1], k.shape[-1]) <= 128 else (32, 32)
+    bm, bn = (block_size, block_size) if isinstance(block_size, int) else block_size
+    if not all(b >= 16 and b & (b - 1) == 0 for b in (bm, bn)):  # tl.arange: powers of 2; tl.dot: >= 16
+        raise ValueError(f"triton_attention: block sizes must be powers of two >= 16; got {block_size}")
+    return bm, bn
+
+
+def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool):
     B, H, L, E = q.shape
     S, EV = k.shape[2], v.shape[-1]
-    if block is None:  # interpreter: small tiles run fastest; GPU: 64 (32 for wide heads: registers)
-        block = 16 if not q.is_cuda else (64 if max(E, EV) <= 128 else 32)
     if mask is None:
         mask_arg, strides, kind = q, (0, 0, 0, 0), MASK_NONE  # dummy pointer, never read
     else:
@@ -265,22 +316,39 @@ def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_caus
         if mask.dtype == torch.bool:
             mask_arg, kind = mask_arg.view(torch.uint8), MASK_BOOL
     meta = dict(
-        GROUPS=H // k.shape[1], MASK_KIND=kind, IS_CAUSAL=is_causal, BLOCK_M=block, BLOCK_N=block,
+        GROUPS=H // k.shape[1], MASK_KIND=kind, IS_CAUSAL=is_causal,
         BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_EV=max(16, triton.next_power_of_2(EV)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return mask_arg, strides, (H, L, S, E, EV), meta
 
 
+def _launch(name: str, programs: tuple[int, str, int], args: tuple, meta: dict, block: tuple[int, int] | None):
+    """Run kernel ``name`` with the tiles ``block`` (BLOCK_M, BLOCK_N) or, for ``block=None``, with those its
+    autotuner found fastest for these shapes. ``programs = (n, tile, heads)``: one program per tile of n
+    positions (query rows if ``tile`` is "BLOCK_M", keys if "BLOCK_N") and per head, so the grid is a
+    function of the tiles chosen."""
+    n, tile, heads = programs
+
+    def grid(tiles):
+        return (triton.cdiv(n, tiles[tile]), heads)
+
+    if block is None:
+        _AUTOTUNED[name][grid](*args, **meta)
+    else:
+        tiles = {"BLOCK_M": block[0], "BLOCK_N": block[1]}
+        globals()[name][grid(tiles)](*args, **meta, **tiles)
+
+
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, block):
-        mask_arg, strides, dims, meta = _launch_config(q, k, v, mask, is_causal, block)
+        mask_arg, strides, dims, meta = _launch_config(q, k, v, mask, is_causal)
         B, H, L, _ = q.shape
         out = q.new_empty(B, H, L, v.shape[-1])
         lse2 = torch.empty(B, H, L, device=q.device, dtype=torch.float32)
-        grid = (triton.cdiv(L, meta["BLOCK_M"]), B * H)
-        _fwd_kernel[grid](q, k, v, mask_arg, out, lse2, *strides, *dims, scale * LOG2E, **meta)
+        args = (q, k, v, mask_arg, out, lse2, *strides, *dims, scale * LOG2E)
+        _launch("_fwd_kernel", (L, "BLOCK_M", B * H), args, meta, block)
         ctx.save_for_backward(q, k, v, mask, out, lse2)
         ctx.args = (is_causal, scale, block)
         return out
@@ -290,16 +358,14 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, mask, out, lse2 = ctx.saved_tensors
         is_causal, scale, block = ctx.args
-        mask_arg, strides, dims, meta = _launch_config(q, k, v, mask, is_causal, block)
+        mask_arg, strides, dims, meta = _launch_config(q, k, v, mask, is_causal)
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(dim=-1)  # D = rowsum(dO * O), (B, H, L)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         B, H, L, _ = q.shape
-        args = (q, k, v, mask_arg, dout, lse2, delta)
-        grid_q = (triton.cdiv(L, meta["BLOCK_M"]), B * H)
-        _bwd_dq_kernel[grid_q](*args, dq, *strides, *dims, scale * LOG2E, scale, **meta)
-        grid_kv = (triton.cdiv(k.shape[2], meta["BLOCK_N"]), B * k.shape[1])
-        _bwd_dkdv_kernel[grid_kv](*args, dk, dv, *strides, *dims, scale * LOG2E, scale, **meta)
+        inputs, rest = (q, k, v, mask_arg, dout, lse2, delta), (*strides, *dims, scale * LOG2E, scale)
+        _launch("_bwd_dq_kernel", (L, "BLOCK_M", B * H), (*inputs, dq, *rest), meta, block)
+        _launch("_bwd_dkdv_kernel", (k.shape[2], "BLOCK_N", B * k.shape[1]), (*inputs, dk, dv, *rest), meta, block)
         return dq, dk, dv, None, None, None, None
 
 
@@ -311,22 +377,25 @@ def triton_attention(
     is_causal: bool = False,
     scale: float | None = None,
     *,
-    block_size: int | None = None,
+    block_size: int | tuple[int, int] | None = None,
 ) -> Tensor:
     """``softmax(Q K^T * scale + mask) V`` with Triton FlashAttention-2 kernels; same semantics as
     :func:`tformer.attention_tiled.tiled_attention` on the inputs :func:`triton_supports` accepts.
 
     query ``(B, H, L, E)``, key ``(B, Hkv, S, E)``, value ``(B, Hkv, S, Ev)`` -> ``(B, H, L, Ev)``
-    (2-D and 3-D inputs get leading dims of 1). ``block_size``: query rows and keys per program tile
-    (default 64 on CUDA, 32 for head dims over 128, 16 in the interpreter). Raises NotImplementedError
-    for unsupported inputs.
+    (2-D and 3-D inputs get leading dims of 1). ``block_size``: query rows and keys per program tile, an
+    int for both or ``(query rows, keys)``, powers of two >= 16; default: autotuned on CUDA when L and S are
+    both >= ``AUTOTUNE_MIN_LENGTH`` (each kernel times its configurations once per new L, S, head dims,
+    groups, mask kind, causality and dtype), else 64 (32 for head dims over 128); 16 in the interpreter.
+    Raises NotImplementedError for unsupported inputs.
     """
     reason = _unsupported(query, key, value, attn_mask)
     if reason is not None:
         raise NotImplementedError(f"triton_attention: {reason}")
     _jit_all()
+    block = _blocks(block_size, query, key)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     out_ndim = max(t.dim() for t in (query, key, value, attn_mask) if t is not None)
     q, k, v = (_as_4d(t).contiguous() for t in (query, key, value))
-    out = _TritonAttention.apply(q, k, v, attn_mask, bool(is_causal), scale, block_size)
+    out = _TritonAttention.apply(q, k, v, attn_mask, bool(is_causal), scale, block)
     return out.view(out.shape[4 - out_ndim :])
