@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -117,6 +118,55 @@ def test_truncated_corrupted_and_foreign_directories_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="holds no trainer_state.pt"):
         _save(tmp_path / "w")
         load_checkpoint(tmp_path / "w", with_state=True)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda m: m["files"].update({"model.safetensors": {}}),
+            r'field "files"\["model.safetensors"\]\["bytes"\] is missing',
+        ),
+        (
+            lambda m: m["files"]["model.safetensors"].update(bytes="72944"),
+            r'field "files"\["model.safetensors"\]\["bytes"\] must be a non-negative integer; got "72944"',
+        ),
+        (
+            lambda m: m["files"]["tokenizer.json"].update(sha256=None),
+            r'field "files"\["tokenizer.json"\]\["sha256"\] must be 64 lowercase hex digits; got null',
+        ),
+        (
+            lambda m: m["files"].update({"model.safetensors": [1]}),
+            r'field "files"\["model.safetensors"\] must be an object',
+        ),
+        (lambda m: m.update(step="abc"), r'field "step" must be a non-negative integer; got "abc"'),
+        (lambda m: m.update(step=True), r'field "step" must be a non-negative integer; got true'),
+        (lambda m: m.update(files=[]), r'field "files" must be an object; got \[\]'),
+        (lambda m: m.update(train_config="lr=1"), r'field "train_config" must be an object'),
+        (
+            lambda m: m["files"].update({"../../../../etc/hostname": m["files"]["tokenizer.json"]}),
+            r'field "files"\["../../../../etc/hostname"\]: a file name must be a plain name inside the checkpoint',
+        ),
+        (lambda m: m["files"].update({"..": m["files"]["tokenizer.json"]}), r'field "files"\[".."\]: a file name'),
+    ],
+)
+def test_hand_edited_manifests_are_errors_naming_the_manifest_and_field(tmp_path, edit, message):
+    _, path = _save(tmp_path)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    edit(manifest)
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"step-000007/checkpoint\.json: " + message):
+        load_checkpoint(tmp_path)
+
+
+def test_every_checkpoint_file_gets_the_mode_open_gives(tmp_path):
+    old = os.umask(0o027)
+    try:
+        _, path = _save(tmp_path / "a", trainer_state={"x": 1})
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir()}
+    assert modes == dict.fromkeys(["checkpoint.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"], 0o640)
 
 
 def test_tokenizer_of_a_different_model_is_refused(tmp_path):

@@ -9,6 +9,7 @@ because the policy stops the listed attacks before those layers are ever reached
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -304,6 +305,7 @@ def test_load_claims_accepts_text_and_paths(tmp_path):
         ('[{"claim": "a", "code": "result = True"}, {"code": "result = True"}]', ["index 1", '"claim"']),
         ('[{"claim": "a", "code": 1}]', ["index 0", '"code" must be a string', "number"]),
         ('[{"claim": null, "code": "result = True"}]', ["index 0", '"claim" must be a string', "null"]),
+        ("[]", ["claims list is empty", "at least one"]),
     ],
 )
 def test_unusable_input_exits_2_with_a_message_naming_the_problem(tmp_path, capsys, content, fragments):
@@ -316,6 +318,13 @@ def test_unusable_input_exits_2_with_a_message_naming_the_problem(tmp_path, caps
         assert fragment in captured.err
     with pytest.raises(ClaimsInputError):
         load_claims(path)
+
+
+def test_an_empty_claims_list_on_stdin_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("[]\n"))
+    assert main(["-"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "verify-claims: <stdin>: the claims list is empty" in captured.err
 
 
 def test_missing_file_and_missing_source_exit_2(tmp_path, capsys):

@@ -1,5 +1,12 @@
-"""Data: corpora (stdlib default, files, folders), the memory-mapped token cache, the batch samplers, the
-built-in tasks (including addition) and TSV pairs."""
+"""Data: corpora (stdlib default, files, folders without hidden or binary files), the memory-mapped token cache
+(and the removal of temporary folders left by killed runs), the batch samplers, the built-in tasks (including
+addition) and TSV pairs."""
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +19,8 @@ from tformer.data import (
     Seq2SeqBatches,
     corpus_files,
     iter_texts,
+    remove_stale_temps,
+    scan_corpus,
     split_pairs,
     stdlib_root,
     tokenize_corpus,
@@ -52,6 +61,48 @@ def test_folder_corpus_and_missing_path(folder, tmp_path):
         corpus_files(tmp_path / "empty")
 
 
+def test_folder_corpus_skips_hidden_folders_and_files_that_are_not_text(folder):
+    (folder / ".git" / "objects").mkdir(parents=True)
+    (folder / ".git" / "objects" / "pack.txt").write_text("text, but under a hidden folder")
+    (folder / "sub" / ".cache").mkdir()
+    (folder / "sub" / ".cache" / "d.txt").write_text("hidden two levels down")
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0" + bytes(range(256)))
+    (folder / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (folder / "late_nul.txt").write_bytes(b"a" * 9000 + b"\0")  # past the 8 KiB probe: text
+    (folder / "cut.txt").write_bytes(b"a" * 8191 + "\u00e9".encode())  # a character cut by the probe: text
+    scan = scan_corpus(folder)
+    names = [f.relative_to(folder).as_posix() for f in scan.files]
+    assert names == ["a.txt", "b.txt", "cut.txt", "late_nul.txt", "sub/c.txt"]
+    assert [p.as_posix() for p in scan.hidden] == [".git", ".hidden", "sub/.cache"]
+    assert [p.as_posix() for p in scan.not_text] == ["__pycache__/a.cpython-311.pyc", "latin1.txt"]
+    assert scan.skipped() == (
+        "3 hidden entries (.git, .hidden, sub/.cache) and 2 files that are not UTF-8 text "
+        "(__pycache__/a.cpython-311.pyc, latin1.txt)"
+    )
+    assert corpus_files(folder) == scan.files
+
+
+def test_folder_without_text_and_binary_or_special_paths_are_clear_errors(tmp_path):
+    binaries = tmp_path / "binaries"
+    (binaries / ".git").mkdir(parents=True)
+    (binaries / ".git" / "pack.bin").write_bytes(b"PACK\0\0\0\2")
+    (binaries / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    with pytest.raises(
+        ValueError,
+        match=r"holds no text files \(skipped 1 hidden entry \(\.git\) and 1 file that "
+        r"is not UTF-8 text \(image\.png\)\); pass a folder of UTF-8 text files \(--data\)",
+    ):
+        corpus_files(binaries)
+    with pytest.raises(ValueError, match=r"data file .*image\.png is not text \(a NUL byte at offset 8: binary\)"):
+        corpus_files(binaries / "image.png")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"latin1\.txt is not text \(byte 0xe9 at offset 3 is not UTF-8\)"):
+        corpus_files(tmp_path / "latin1.txt")
+    with pytest.raises(ValueError, match=r"data path /dev/null is not a regular file or folder.*\(--data\)"):
+        corpus_files("/dev/null")
+
+
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
 def test_iter_texts_is_the_joined_files_in_pieces(folder, chunk):
     files = corpus_files(folder)
@@ -84,6 +135,54 @@ def test_token_cache_round_trip_split_and_reuse(folder, tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="tokenized again"):  # so is a changed file
         tokenize_corpus(files, ByteTokenizer(), cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob(".tmp-*"))  # no half-written entries
+
+
+def _stale_temp(cache, name, age_s=3600.0):
+    """A temporary cache folder as a killed writer leaves it, last written ``age_s`` ago."""
+    tmp = cache / name
+    tmp.mkdir(parents=True)
+    (tmp / "tokens.bin").write_bytes(b"\0" * 64)
+    for p in (tmp / "tokens.bin", tmp):
+        os.utime(p, (time.time() - age_s, time.time() - age_s))
+    return tmp
+
+
+def test_temporary_folders_of_dead_writers_are_removed_and_live_ones_kept(folder, tmp_path):
+    cache = tmp_path / "cache"
+    dead = _stale_temp(cache, ".tmp-abc-999999-deadbeef")
+    empty = cache / ".tmp-abc-999998-00000000"  # killed before its first write
+    empty.mkdir()
+    os.utime(empty, (time.time() - 3600, time.time() - 3600))
+    recent = _stale_temp(cache, ".tmp-abc-999997-11111111", age_s=1.0)  # written a second ago: may be running
+    locked = _stale_temp(cache, ".tmp-abc-999996-22222222")
+    fd = os.open(locked / "tokens.bin", os.O_WRONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live writer holds the lock, however long since its last write
+    try:
+        corpus = tokenize_corpus(corpus_files(folder), ByteTokenizer(), cache_dir=cache)
+        assert corpus.tokens.size > 0
+        assert sorted(p.name for p in cache.glob(".tmp-*")) == [locked.name, recent.name]
+        assert not dead.exists() and not empty.exists()
+    finally:
+        os.close(fd)
+    tokenize_corpus(corpus_files(folder), ByteTokenizer(), cache_dir=cache)  # cached now, still cleans up
+    assert sorted(p.name for p in cache.glob(".tmp-*")) == [recent.name]  # the lock is free: its writer is gone
+
+
+def test_a_writer_killed_by_sigkill_releases_its_lock(tmp_path):
+    tmp = _stale_temp(tmp_path, ".tmp-abc-1-33333333")
+    holder = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_WRONLY); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(tmp / "tokens.bin")], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"locked\n"
+        assert remove_stale_temps(tmp_path) == [] and tmp.exists()  # alive: kept
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert remove_stale_temps(tmp_path) == [tmp] and not tmp.exists()
 
 
 def test_char_corpus_matches_plain_encoding(folder, tmp_path):
@@ -154,6 +253,15 @@ def test_addition_task():
         task.from_text("1x2")
 
 
+def test_task_lengths_error_names_the_cli_flags():
+    with pytest.raises(
+        ValueError,
+        match=r"reverse task's lengths need 1 <= min_len <= max_len "
+        r"\(--task-min-len <= --task-max-len\); got min_len=1, max_len=0",
+    ):
+        SequenceTask("reverse", min_len=1, max_len=0)
+
+
 def test_existing_task_api_still_works():
     task = SequenceTask("reverse")
     src, src_mask, tgt, tgt_mask = task.batch(8, torch.Generator().manual_seed(0))
@@ -168,8 +276,12 @@ def test_pairs_file(tmp_path):
     path.write_text("ok\tfine\nno tab here\n")
     with pytest.raises(ValueError, match=r"pairs\.tsv:2: expected 'source<TAB>target'"):
         load_pairs(path)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.tsv does not exist; pass a file .*\(--pairs\)"):
         load_pairs(tmp_path / "missing.tsv")
+    with pytest.raises(ValueError, match=r"pairs file .* is a directory; pass a file of source<TAB>target lines"):
+        load_pairs(tmp_path)
+    with pytest.raises(ValueError, match=r"pairs file /dev/null is not a regular file"):
+        load_pairs("/dev/null")
 
 
 def test_pairs_split_is_fixed_disjoint_and_complete():

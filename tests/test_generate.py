@@ -4,6 +4,7 @@ import io
 import itertools
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,9 +13,10 @@ from tformer import DecoderLM, EncoderDecoder, TransformerConfig
 from tformer.checkpoint import load_checkpoint, save_checkpoint
 from tformer.cli import main
 from tformer.generate import beam_search, gnmt_length_penalty, greedy_seq2seq
-from tformer.sample_cli import TextStream, translate_lines
+from tformer.sample_cli import DEFAULT_NEW_TOKENS, TextStream, sample_to, translate_lines
 from tformer.sampling import generate
 from tformer.tokenization import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
+from tformer.train_cli import sample_text
 
 
 def _peaky(model, std=0.5, seed=0):
@@ -183,6 +185,10 @@ def test_beam_search_prefers_longer_outputs_as_alpha_grows():
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(eos_id=32), "eos_id"),
         (dict(bos_id=-1), "bos_id"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(length_penalty=float("inf")), "length_penalty"),
+        (dict(length_penalty=-0.5), "length_penalty"),
+        (dict(beam_size=1.5), "beam_size"),
     ],
 )
 def test_beam_search_rejects_bad_arguments(kwargs, message):
@@ -235,11 +241,63 @@ def test_cli_sample_streams_what_generate_returns(lm_run, capsys):
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "abc", "--max-new-tokens", "25", "--seed", "3",
                  "--top-k", "5"]) == 0  # fmt: skip
     assert capsys.readouterr().out == "abc" + tok.decode(new) + "\n"
-    # default length: as many tokens as the 40 learned positions leave after the prompt
+    # default length: DEFAULT_NEW_TOKENS, far past the 40 learned positions (a sliding window)
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "hello", "--greedy"]) == 0
     greedy = capsys.readouterr().out
-    assert greedy == "hello" + tok.decode(generate(ckpt.model, [tok.encode("hello")], max_new_tokens=35,
-                                                   greedy=True)[0]) + "\n"  # fmt: skip
+    new = generate(ckpt.model, [tok.encode("hello")], max_new_tokens=DEFAULT_NEW_TOKENS, greedy=True)[0]
+    assert len(new) == DEFAULT_NEW_TOKENS == 200 and greedy == "hello" + tok.decode(new) + "\n"
+
+
+def test_cli_sample_prompt_longer_than_the_learned_positions(lm_run, capsys):
+    ckpt = load_checkpoint(lm_run)
+    prompt = ("the quick brown fox jumps over the lazy dog " * 2)[:60]  # 60 tokens, 40 learned positions
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", prompt, "--max-new-tokens", "50", "--seed", "1",
+                 "--temperature", "0.8", "--top-p", "0.95"]) == 0  # fmt: skip
+    new = generate(ckpt.model, [ckpt.tokenizer.encode(prompt[-40:])], max_new_tokens=50, seed=1, temperature=0.8,
+                   top_p=0.95)[0]  # fmt: skip
+    assert capsys.readouterr().out == prompt + ckpt.tokenizer.decode(new) + "\n"
+
+
+def test_cli_sample_tiny_temperature_is_greedy(lm_run, capsys):
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "30", "--greedy"]) == 0
+    greedy = capsys.readouterr().out
+    for t in ("1e-40", "1e-300"):
+        assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "30",
+                     "--temperature", t, "--seed", "0"]) == 0  # fmt: skip
+        assert capsys.readouterr().out == greedy
+
+
+def test_cli_sample_nan_checkpoint_is_a_clear_error(tmp_path, capsys):
+    tok = CharTokenizer(CHARS)
+    model = _peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size)))
+    with torch.no_grad():
+        model.decoder.embed.tokens.weight.fill_(float("nan"))
+    save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=0, train_config={})
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab", "--seed", "0"]) == 2
+    printed = capsys.readouterr()
+    assert "NaN" in printed.err and "diverged" in printed.err and "Traceback" not in printed.err
+    assert printed.out == ""
+
+
+def test_sample_prompt_messages_say_why_it_has_no_tokens(lm_run):
+    ckpt = load_checkpoint(lm_run)
+    skipping = SimpleNamespace(model=ckpt.model, tokenizer=CharTokenizer(CHARS, unknown="skip"))
+    with pytest.raises(ValueError, match="every character of the --prompt 'ZZZ' is unknown to the tokenizer"):
+        sample_to(io.StringIO(), skipping, "ZZZ", max_new_tokens=3)
+    with pytest.raises(ValueError, match="the prompt is empty; give a non-empty --prompt"):
+        sample_to(io.StringIO(), skipping, "", max_new_tokens=3)
+    out = io.StringIO()  # known characters survive the skipping
+    assert len(sample_to(out, skipping, "aZb", max_new_tokens=3, greedy=True)) == 3
+    assert out.getvalue().startswith("aZb")
+
+
+def test_demo_sample_text_is_one_generate_call_past_the_context(lm_run):
+    ckpt = load_checkpoint(lm_run)
+    tok = ckpt.tokenizer
+    text = sample_text(ckpt.model, tok, "def ", max_new_tokens=90, temperature=0.9, seed=4)
+    new = generate(ckpt.model, [tok.encode("def ")], max_new_tokens=90, temperature=0.9, seed=4)[0]
+    assert text == "def " + tok.decode(new) and len(text) == 94  # 94 tokens > 40 learned positions
+    assert sample_text(ckpt.model, tok, "", max_new_tokens=5, seed=4).startswith(tok.decode([0]))
 
 
 def test_cli_sample_stop_string_ends_the_output(lm_run, capsys):
@@ -270,14 +328,74 @@ def test_cli_translate_prints_one_line_per_input_line(seq2seq_run, capsys, monke
     assert translate_lines(ckpt, lines, beam_size=3, length_penalty=1.0) == printed[:-1]
 
 
+def test_cli_translate_bad_line_is_reported_and_the_others_translated(seq2seq_run, capsys, monkeypatch):
+    ckpt = load_checkpoint(seq2seq_run)
+    lines = ["abc", "hello", "ab C", "zyx", "", "9", "wv"]  # 'C' and '9' are not in the tokenizer
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    # batches of 2: line 3 is the first of the second batch, line 6 the second of the third
+    assert main(["translate", "--checkpoint", str(seq2seq_run), "--batch-size", "2"]) == 1
+    printed = capsys.readouterr()
+    good = translate_lines(ckpt, ["abc", "hello", "zyx", "wv"])
+    assert all(good) and printed.out.split("\n") == [good[0], good[1], "", good[2], "", "", good[3], ""]
+    errors = printed.err.splitlines()
+    assert [e.split(":")[:2] for e in errors] == [["tformer translate", " line 3"], ["tformer translate", " line 6"]]
+    assert "'C'" in errors[0] and "'9'" in errors[1]
+    with pytest.raises(ValueError, match="'C'"):  # the function alone raises, unless given on_error
+        translate_lines(ckpt, ["abc", "ab C"])
+    seen = []
+    assert translate_lines(ckpt, ["ab C", "abc"], on_error=lambda i, e: seen.append(i)) == ["", good[0]]
+    assert seen == [0]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("abc\nzyx\n"))
+    assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 0  # every line translated: exit code 0
+    assert capsys.readouterr().out == f"{good[0]}\n{good[2]}\n"
+
+
+def test_translate_line_longer_than_learned_positions_is_one_failed_line():
+    tok = CharTokenizer(CHARS, SEQ2SEQ_SPECIALS, unknown="error")
+    model = _seq2seq(vocab=tok.vocab_size, seed=3, dtype=torch.float32, position="learned", max_seq_len=8)
+    ckpt = SimpleNamespace(model=model, tokenizer=tok)
+    failed = []
+    out = translate_lines(ckpt, ["abc", "abcdefghij", "ab"], on_error=lambda i, e: failed.append((i, str(e))))
+    assert failed == [(1, "the line is 10 tokens long, more than the model's max_seq_len=8 learned positions")]
+    assert out[1] == "" and out[::2] == translate_lines(ckpt, ["abc", "ab"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1"),
+        (["--length-penalty", "nan"], "--length-penalty must be a finite number >= 0"),
+        (["--length-penalty", "-1"], "--length-penalty must be a finite number >= 0"),
+        (["--beam-size", "0"], "--beam-size must be >= 1"),
+    ],
+)
+def test_cli_translate_bad_flags_are_errors_before_loading(flags, message, tmp_path, capsys):
+    # tmp_path is not a checkpoint: the flag's error comes first, so nothing was loaded
+    assert main(["translate", "--checkpoint", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "checkpoint" not in err
+
+
+def test_translate_max_new_tokens_none_is_max_seq_len_and_0_is_an_error(seq2seq_run):
+    ckpt = load_checkpoint(seq2seq_run)  # max_seq_len 20
+    full = translate_lines(ckpt, ["hello world"], max_new_tokens=None)
+    assert full == translate_lines(ckpt, ["hello world"], max_new_tokens=20)
+    assert len(translate_lines(ckpt, ["hello world"], max_new_tokens=2)[0]) <= 2
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        translate_lines(ckpt, ["hello world"], max_new_tokens=0)
+
+
 def test_cli_errors_are_reported_not_raised(lm_run, seq2seq_run, capsys, tmp_path):
     assert main(["sample", "--checkpoint", str(seq2seq_run), "--prompt", "ab"]) == 2
     assert "tformer translate" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
-    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "39"]) == 2
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "-1"]) == 2
     printed = capsys.readouterr()
-    assert "max_seq_len=40" in printed.err and printed.out == ""  # nothing echoed before the error
+    assert "--max-new-tokens" in printed.err and printed.out == ""  # nothing echoed before the error
+    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--temperature", "0"]) == 2
+    assert "greedy decoding (greedy=True, --greedy)" in capsys.readouterr().err
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab"]) == 2
     assert "not a tformer checkpoint" in capsys.readouterr().err
 

@@ -12,6 +12,7 @@ from tformer.sampling import (
     filter_logits,
     generate,
     left_pad,
+    sample,
     top_k_filter,
     top_p_filter,
 )
@@ -84,6 +85,16 @@ def test_temperature_raises_probabilities_to_the_power_one_over_t():
     for t in (0.5, 2.0):
         expected = p ** (1 / t) / (p ** (1 / t)).sum(-1, keepdim=True)
         torch.testing.assert_close(apply_temperature(logits, t).softmax(-1), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1e-40), (torch.float32, 1e-50),
+                                               (torch.float16, 1e-9), (torch.float64, 1e-320)])  # fmt: skip
+def test_tiny_temperature_gives_greedy_not_nan(dtype, temperature):
+    # z / T overflows to inf (and T itself rounds to 0 in the dtype for 1e-50, 1e-9 in float16)
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [4.0, 4.0, 0.5, 1.0]], dtype=dtype)
+    probs = apply_temperature(logits, temperature).softmax(-1)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]  # the argmax (ties shared)
+    assert sample(apply_temperature(logits, temperature))[0] == 1
 
 
 def _support_at_each_step(model, prompt, new, **filters):
@@ -271,13 +282,92 @@ def test_bad_input_raises_clear_value_errors(kwargs, message):
         generate(model, args.pop("prompt_ids"), **args)
 
 
-def test_learned_positions_bound_prompt_plus_new_tokens():
-    model = _model("learned", max_seq_len=16)
-    assert len(generate(model, [[1] * 6], max_new_tokens=10, greedy=True)[0]) == 10  # exactly fits
-    with pytest.raises(ValueError, match="max_seq_len=16"):
-        generate(model, [[1] * 6, [2]], max_new_tokens=11, greedy=True)
-    rotary = _model("rotary", max_seq_len=16)
-    assert len(generate(rotary, [[1] * 6], max_new_tokens=20, greedy=True)[0]) == 20  # rotary extrapolates
+def test_every_position_scheme_generates_past_max_seq_len():
+    for position in POSITIONS:
+        model = _model(position, max_seq_len=16)
+        out = generate(model, [[1] * 20, [2] * 3], max_new_tokens=40, greedy=True)  # a prompt beyond 16, too
+        assert [len(row) for row in out] == [40, 40]
+
+
+def test_sampling_nan_logits_raises_a_clear_error():
+    model = _model()
+    with torch.no_grad():
+        model.decoder.stack.blocks[0].ff.up.weight[0, 0] = float("nan")  # a diverged checkpoint
+    for seed in (0, None):
+        with pytest.raises(ValueError, match="NaN .*logits.*diverged"):
+            generate(model, [[1, 2], [3]], max_new_tokens=3, seed=seed, top_k=5)
+    with pytest.raises(ValueError, match="NaN"):
+        sample(torch.tensor([[float("inf"), 1.0]]))  # softmax of +inf is NaN as well
+    assert sample(torch.tensor([[float("-inf"), 1.0]])).tolist() == [1]  # -inf is just probability 0
+
+
+def test_temperature_zero_message_names_the_api_and_the_cli():
+    with pytest.raises(ValueError, match=r"greedy=True, --greedy"):
+        generate(_model(), [[1]], max_new_tokens=2, temperature=0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sliding context window of learned positions
+# --------------------------------------------------------------------------------------------------
+def _window_spans(prompt_len, steps, W):
+    """``(start, end)`` of the tokens the model sees before each new token of one row: the module docstring's rule
+    written out plainly, for one row alone."""
+    start, end = max(0, prompt_len - W), prompt_len
+    spans = [(start, end)]
+    for _ in range(steps):
+        end += 1
+        if end - start > W:
+            start = end - max(1, W // 2)
+        spans.append((start, end))
+    return spans
+
+
+@pytest.mark.parametrize("lengths,W", [([3, 11, 1, 6], 8), ([5, 5], 7), ([2, 4], 1)])
+def test_window_restarts_cached_equal_uncached_equal_each_rows_own_window(lengths, W):
+    model = _model("learned", max_seq_len=W)
+    prompts = _prompts(lengths, seed=12)
+    ids, mask = left_pad(prompts, pad_id=0)
+    steps = 30
+    with torch.no_grad():
+        cached = IncrementalLM(model, ids, mask, max_new_tokens=steps)
+        full = IncrementalLM(model, ids, mask, max_new_tokens=steps, use_cache=False)
+        steps_cached, steps_full = [cached.prefill()], [full.prefill()]
+        for _ in range(steps):
+            token = steps_cached[-1].argmax(-1)
+            steps_cached.append(cached.step(token))
+            steps_full.append(full.step(token))
+        logits = torch.stack(steps_cached)  # (steps + 1, B, V)
+        torch.testing.assert_close(logits, torch.stack(steps_full), rtol=1e-5, atol=1e-5)
+        for b, prompt in enumerate(prompts):
+            seq = prompt + cached.ids[b, ids.shape[1] : cached.length].tolist()
+            spans = _window_spans(len(prompt), steps, W)
+            assert max(end - start for start, end in spans) == min(W, max(lengths) + steps)  # never beyond W
+            assert len({start for start, _ in spans}) >= 5  # several restarts
+            reference = torch.stack([model(torch.tensor([seq[start:end]]))[0, -1] for start, end in spans])
+            torch.testing.assert_close(logits[:, b], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_window_left_padded_batch_crossing_restarts_gives_the_tokens_of_one_by_one():
+    model = _model("learned", dtype=torch.float64, max_seq_len=8)
+    prompts = _prompts([3, 10, 1, 6], seed=13)  # rows restart at different steps; row 1 starts cropped
+    batched = generate(model, prompts, max_new_tokens=25, greedy=True)
+    assert batched == [generate(model, [p], max_new_tokens=25, greedy=True)[0] for p in prompts]
+    assert batched == generate(model, prompts, max_new_tokens=25, greedy=True, use_cache=False)
+    sampled = generate(model, prompts, max_new_tokens=25, seed=20, top_p=0.9)
+    assert sampled == [
+        generate(model, [p], max_new_tokens=25, seed=20 + i, top_p=0.9)[0] for i, p in enumerate(prompts)
+    ]
+    assert sampled == generate(model, prompts, max_new_tokens=25, seed=20, top_p=0.9, use_cache=False)
+
+
+def test_window_crops_a_long_prompt_to_its_last_max_seq_len_tokens():
+    model = _model("learned", dtype=torch.float64, max_seq_len=8)
+    prompt = _prompts([21], seed=14)[0]
+    out = generate(model, [prompt], max_new_tokens=12, greedy=True)[0]
+    assert out == generate(model, [prompt[-8:]], max_new_tokens=12, greedy=True)[0]
+    assert out != generate(model, [prompt[-7:]], max_new_tokens=12, greedy=True)[0]  # the 8th-last token counts
+    with torch.no_grad():  # the first token: the argmax after the last 8 prompt tokens
+        assert out[0] == int(model(torch.tensor([prompt[-8:]]))[0, -1].argmax())
 
 
 def test_greedy_ignores_temperature():

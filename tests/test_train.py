@@ -1,7 +1,8 @@
 """Training: exact resume (bitwise), Ctrl-C saves and exits cleanly, metrics/plot files, the schedule and the
 optimizer groups, gradient accumulation, LM and seq2seq (task, pairs) training, bfloat16 autocast, the CLI and
-clear errors."""
+clear errors: settings out of range, a diverging loss, a locked or damaged run directory, unavailable devices."""
 
+import importlib
 import json
 import os
 import signal
@@ -12,9 +13,9 @@ import time
 import pytest
 import torch
 
-from tformer.checkpoint import find_latest, load_checkpoint
+from tformer.checkpoint import CheckpointError, find_latest, load_checkpoint, read_manifest
 from tformer.cli import build_parser
-from tformer.train import TrainConfig, lr_at, make_optimizer, train
+from tformer.train import TrainConfig, TrainingError, lr_at, make_optimizer, resolve_device, run_lock, train
 from tformer.train_cli import config_from_args, sample_text
 
 TINY = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64)
@@ -129,6 +130,7 @@ def test_clear_errors(tmp_path, corpus):
         train(_cfg(tmp_path, corpus, steps=0))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train(_cfg(tmp_path, tmp_path / "missing.txt"))
+    assert not (tmp_path / "run").exists()  # checked before the run directory (and its lock) is created
     with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
         train(_cfg(tmp_path, corpus, resume=True))
     with pytest.raises(ValueError, match="give one of data, task, pairs"):
@@ -192,3 +194,185 @@ def test_demo_sampler_runs_past_the_context(tmp_path, corpus):
     text = sample_text(ckpt.model, ckpt.tokenizer, "def ", max_new_tokens=40, temperature=1.0)
     assert text.startswith("def ") and len(text.encode()) >= 40  # 44 bytes, some may merge into U+FFFD
     assert text == sample_text(ckpt.model, ckpt.tokenizer, "def ", max_new_tokens=40, temperature=1.0)
+
+
+def _loss_records(out) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_resume_mid_window_logs_what_a_straight_run_logs(tmp_path, corpus):
+    straight = _cfg(tmp_path, corpus, "straight", log_every=4)
+    train(straight)
+    train(_cfg(tmp_path, corpus, "split", log_every=4, stop_after=6))
+    assert sorted(_loss_records(tmp_path / "split")) == [4, 6]  # the stop is logged ...
+    train(_cfg(tmp_path, corpus, "split", log_every=4, resume=True))
+    # ... and replaced after the resume by the record of step 8, which averages steps 5-8 as a straight run does
+    assert _loss_records(tmp_path / "split") == _loss_records(tmp_path / "straight")
+    assert sorted(_loss_records(tmp_path / "split")) == [4, 8, 12]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(lr=float("inf")), r"lr must be a finite number \(--lr\); got inf"),
+        (dict(lr=float("nan")), r"lr must be a finite number \(--lr\); got nan"),
+        (dict(lr=1e9), r"lr must be in \(0, 1\] \(--lr; .*got 1e\+09"),
+        (dict(lr=0.0), r"lr must be in \(0, 1\]"),
+        (dict(min_lr=2e-3), r"min_lr must be in \[0, lr=0.001\] \(--min-lr\); got 0.002"),
+        (dict(weight_decay=-1.0), r"weight_decay must be >= 0 \(--weight-decay; 0 = no decay\); got -1"),
+        (dict(grad_clip=-1.0), r"grad_clip must be >= 0 \(--grad-clip; 0 = off\); got -1"),
+        (dict(grad_clip=float("nan")), r"grad_clip must be a finite number"),
+        (dict(label_smoothing=float("nan")), r"label_smoothing must be a finite number"),
+        (dict(betas=(0.9, 1.5)), r"betas must be two numbers in \[0, 1\)"),
+        (dict(warmup=-1), r"warmup must be >= 0 \(--warmup; 0 turns it off\)"),
+        (dict(device="foo"), r"unknown device 'foo'; use --device auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_settings_out_of_range_are_rejected_before_training(tmp_path, corpus, changes, message):
+    with pytest.raises(ValueError, match=message):
+        train(_cfg(tmp_path, corpus, **changes))
+    assert not (tmp_path / "run").exists()
+
+
+def test_devices_are_checked(monkeypatch):
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    message = r"device 'cuda' is not available here \(torch.cuda.is_available\(\) is False\); use --device cpu"
+    with pytest.raises(ValueError, match=message):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="device 'cuda:1' is not available here"):
+        TrainConfig(out="x", device="cuda:1").validate()
+    with pytest.raises(ValueError, match="unknown device 'foo'"):
+        resolve_device("foo")
+    with pytest.raises(ValueError, match="device 'meta' is not supported"):
+        resolve_device("meta")
+
+
+def test_divergence_stops_before_saving_broken_weights(tmp_path, corpus, monkeypatch):
+    module = importlib.import_module("tformer.train")  # the attribute tformer.train is the function train
+    calls = []
+    real = module.lm_loss_sum
+
+    def poisoned(model, x, y):  # from step 7 on, the loss (and so every gradient) is NaN
+        calls.append(1)
+        s = real(model, x, y)
+        return s * float("nan") if len(calls) >= 7 else s
+
+    monkeypatch.setattr(module, "lm_loss_sum", poisoned)
+    message = (r"training diverged: the training loss is nan at step 7; lower --lr \(now 0.001\), raise --warmup "
+               r"\(now 3\) or lower --grad-clip \(now 1\); checkpoints up to step-000006 are intact")  # fmt: skip
+    with pytest.raises(TrainingError, match=message):
+        train(_cfg(tmp_path, corpus, eval_every=0, save_every=2, log_every=4))
+    out = tmp_path / "run"
+    assert find_latest(out).name == "step-000006"  # step 8 (a log step) found the NaN before its save
+    assert all(torch.isfinite(p).all() for p in load_checkpoint(out).model.parameters())
+    for line in (out / "metrics.jsonl").read_text().splitlines():  # strict JSON: no NaN/Infinity
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+    assert sorted(_loss_records(out)) == [4]
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose update breaks the weights."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def test_weights_broken_by_the_update_of_a_save_step_are_not_saved(tmp_path, corpus, monkeypatch):
+    module = importlib.import_module("tformer.train")
+    calls = []
+    real = module.lm_loss_sum
+
+    def poisoned(model, x, y):
+        calls.append(1)
+        s = real(model, x, y)
+        return _NanGradient.apply(s) if len(calls) == 6 else s
+
+    monkeypatch.setattr(module, "lm_loss_sum", poisoned)
+    with pytest.raises(TrainingError, match=r"training diverged: a weight is nan at step 6; .*--grad-clip"):
+        train(_cfg(tmp_path, corpus, eval_every=0, save_every=2, log_every=4, grad_clip=0.0))
+    assert find_latest(tmp_path / "run").name == "step-000004"
+
+
+def test_a_second_run_on_the_same_out_fails_at_once(tmp_path, corpus):
+    cfg = _cfg(tmp_path, corpus, steps=2)
+    with run_lock(cfg.out):  # as another process would hold it
+        with pytest.raises(TrainingError, match=rf"another tformer run is writing to .*run \(pid {os.getpid()}\); "
+                           "wait for it or choose another --out"):  # fmt: skip
+            train(cfg)
+        assert not (tmp_path / "run" / "checkpoints").exists()
+    assert train(cfg).step == 2  # released when the holder is done
+
+
+def test_out_that_is_a_file_is_rejected_up_front(tmp_path):
+    file = tmp_path / "x.py"
+    file.write_text("")
+    with pytest.raises(ValueError, match=r"--out .*x.py is a file; give a directory"):
+        TrainConfig(out=str(file)).validate()
+    with pytest.raises(ValueError, match=r"--out .*x.py/run lies under .*x.py, which is a file"):
+        TrainConfig(out=str(file / "run")).validate()
+
+
+def test_damaged_latest_checkpoint_names_the_newest_good_one(tmp_path, corpus):
+    train(_cfg(tmp_path, corpus, steps=4, save_every=2, eval_every=0))
+    out = tmp_path / "run"
+    weights = out / "checkpoints" / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    message = (r"checkpoint step-000004 is damaged \(.*model.safetensors: truncated.*\); delete it to resume from "
+               r"step-000002")  # fmt: skip
+    with pytest.raises(CheckpointError, match=message):
+        train(_cfg(tmp_path, corpus, steps=6, save_every=2, eval_every=0, resume=True))
+    parser = build_parser()
+    with pytest.raises(CheckpointError, match=message):  # the CLI reads the saved settings first
+        config_from_args(parser.parse_args(["train", "--out", str(out), "--resume", "--steps", "6"]))
+    assert weights.exists()  # nothing is deleted
+    (out / "checkpoints" / "step-000002" / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no earlier checkpoint verifies"):
+        train(_cfg(tmp_path, corpus, steps=6, save_every=2, eval_every=0, resume=True))
+
+
+def test_relative_data_path_resumes_from_another_directory(tmp_path, corpus, monkeypatch):
+    parser = build_parser()
+    monkeypatch.chdir(tmp_path)
+    flags = ["--data", corpus.name, "--block-size", "16", "--d-model", "32", "--layers", "1", "--batch-size", "4",
+             "--cache-dir", "cache", "--no-progress"]  # fmt: skip
+    args = parser.parse_args(["train", "--out", "run", "--steps", "2", *flags])
+    assert args.func(args) == 0
+    saved = read_manifest(find_latest(tmp_path / "run"))["train_config"]
+    assert saved["data"] == str(corpus) and saved["cache_dir"] == str(tmp_path / "cache")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    args = parser.parse_args(["train", "--out", "../run", "--resume", "--steps", "3", "--no-progress"])
+    assert args.func(args) == 0
+    assert load_checkpoint(tmp_path / "run").step == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--task", "reverse", "--tokenizer", "bpe", "--vocab-size", "5000", "--unknown", "skip", "--block-size", "7"],
+         r"^--tokenizer, --vocab-size, --unknown do not apply to --task runs \(their tokenizer is the task's "
+         r"alphabet\); --block-size does not apply to --task runs \(.*\); leave them out$"),
+        (["--task", "reverse", "--tokenizer", "byte"], r"^--tokenizer does not apply to --task runs .*; leave it out$"),
+        (["--pairs", "p.tsv", "--block-size", "7"], r"^--block-size does not apply to --pairs runs"),
+        (["--label-smoothing", "0.2"], r"^--label-smoothing does not apply to language-model \(--data\) runs"),
+        (["--tokenizer", "char", "--vocab-size", "300"], r"^--vocab-size does not apply .*tokenizer is char\)"),
+    ],
+)  # fmt: skip
+def test_flags_that_do_not_apply_to_the_run_are_errors(flags, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_args(build_parser().parse_args(["train", "--out", "x", *flags]))
+
+
+def test_flags_that_apply_are_accepted():
+    for flags in (["--task", "add", "--task-max-len", "3", "--label-smoothing", "0"],
+                  ["--pairs", "p.tsv", "--tokenizer", "bpe", "--vocab-size", "300"],
+                  ["--tokenizer", "char", "--unknown", "skip", "--block-size", "64"]):  # fmt: skip
+        config_from_args(build_parser().parse_args(["train", "--out", "x", *flags]))

@@ -14,8 +14,10 @@ then renamed to ``step-NNNNNN`` (one atomic ``rename``) and the parent fsync'ed.
 exists only complete, and a crash at any moment (even ``kill -9`` mid-write) leaves the last complete one intact;
 older ones are pruned only after the new one is in place. Leftover ``.tmp-*`` directories are ignored.
 
-Reading verifies every file against the manifest, so a truncated, corrupted or foreign directory raises
-:class:`CheckpointError` naming the file and what is wrong, instead of loading garbage.
+Reading checks the manifest (the type of every field used; listed files must be plain names inside the
+directory, so a hand-edited ``"../x"`` is refused) and verifies every file against it, so a truncated,
+corrupted, foreign or hand-mangled directory raises :class:`CheckpointError` naming the file and what is wrong,
+instead of loading garbage.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +176,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _save_weights(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file``, leaving the file mode a plain ``open`` gives (0666 less the umask, like the
+    other checkpoint files): safetensors 0.8 writes through a temporary file created 0600."""
+    from safetensors.torch import save_file
+
+    with open(path, "wb"):  # the mode a new file gets here (umask, default ACLs)
+        pass
+    mode = stat.S_IMODE(path.stat().st_mode)
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, mode)
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -194,13 +209,11 @@ def save_checkpoint(
     model_class(kind)  # validates kind
     root = Path(out) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
     config = unwrap(model).cfg
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(model_state_dict(model), str(tmp / WEIGHTS), metadata={"format": "pt", "kind": kind})
+        _save_weights(model_state_dict(model), tmp / WEIGHTS, metadata={"format": "pt", "kind": kind})
         (tmp / TOKENIZER_FILE).write_text(json.dumps(tokenizer.to_dict(), ensure_ascii=False), encoding="utf-8")
         names = [WEIGHTS, TOKENIZER_FILE]
         if trainer_state is not None:
@@ -280,8 +293,55 @@ def find_latest(out: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+_FILE_FIELDS = (("bytes", _is_count, "a non-negative integer"), ("sha256", _is_sha256, "64 lowercase hex digits"))
+
+
+def _check_manifest_fields(manifest: dict[str, Any], path: Path) -> None:
+    """The type of every field the loader uses; ``files`` names must be plain names inside the checkpoint."""
+
+    def bad(field: str, expected: str, value: Any) -> CheckpointError:
+        return CheckpointError(f"{path}: field {field} must be {expected}; got {json.dumps(value)[:80]}")
+
+    for key in ("kind", "step", "model_config", "train_config", "files"):
+        if key not in manifest:
+            raise CheckpointError(f"{path}: the manifest lacks the field {key!r}")
+    if manifest["kind"] not in ("lm", "seq2seq"):
+        raise CheckpointError(f"{path}: unknown model kind {manifest['kind']!r}; expected 'lm' or 'seq2seq'")
+    if not _is_count(manifest["step"]):
+        raise bad('"step"', "a non-negative integer", manifest["step"])
+    for key in ("model_config", "train_config", "files"):
+        if not isinstance(manifest[key], dict):
+            raise bad(f'"{key}"', "an object", manifest[key])
+    for name, info in manifest["files"].items():
+        field = f'"files"[{json.dumps(name)}]'
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise CheckpointError(
+                f"{path}: field {field}: a file name must be a plain name inside the checkpoint "
+                "directory (no '/', no '..')"
+            )
+        if not isinstance(info, dict):
+            raise bad(field, 'an object {"bytes": ..., "sha256": ...}', info)
+        for key, valid, expected in _FILE_FIELDS:
+            if key not in info:
+                raise CheckpointError(f'{path}: field {field}["{key}"] is missing')
+            if not valid(info[key]):
+                raise bad(f'{field}["{key}"]', expected, info[key])
+    for name in (WEIGHTS, TOKENIZER_FILE):
+        if name not in manifest["files"]:
+            raise CheckpointError(f"{path}: the manifest does not list {name}")
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """Parse and check ``checkpoint.json`` and verify every listed file's size and SHA-256."""
+    """Parse and check ``checkpoint.json`` (the type of every field used; file names plain names inside
+    ``directory``) and verify every listed file's size and SHA-256."""
     path = directory / MANIFEST
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -293,14 +353,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f'{path}: not a tformer checkpoint manifest (no "format": "{FORMAT}")')
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint version {manifest.get('version')!r}; this tformer reads {VERSION}")
-    for key in ("kind", "step", "model_config", "train_config", "files"):
-        if key not in manifest:
-            raise CheckpointError(f"{path}: the manifest lacks the field {key!r}")
-    if manifest["kind"] not in ("lm", "seq2seq"):
-        raise CheckpointError(f"{path}: unknown model kind {manifest['kind']!r}; expected 'lm' or 'seq2seq'")
-    for name in (WEIGHTS, TOKENIZER_FILE):
-        if name not in manifest["files"]:
-            raise CheckpointError(f"{path}: the manifest does not list {name}")
+    _check_manifest_fields(manifest, path)
     for name, info in manifest["files"].items():
         file = directory / name
         if not file.is_file():

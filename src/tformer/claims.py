@@ -23,7 +23,9 @@ Usage::
     tformer verify-claims --builtin seed          # or: --builtin derivations
     python -m tformer.claims claims.json
 
-Exit codes: 0 every claim passed; 1 some claim failed, errored or timed out; 2 unusable input.
+Exit codes: 0 every claim passed; 1 some claim failed, errored or timed out; 2 unusable input: no such file,
+malformed JSON, an entry that is not a ``{"claim": str, "code": str}`` object, an empty list (nothing checked
+is not a pass), or a bad option.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ CLI_DESCRIPTION = (
     "(symbols, exp, diff, simplify, Matrix, limit, oo, ...) without importing them and must set `result` "
     "to a bool or sympy true/false. Each claim runs in its own sandboxed worker process."
 )
-CLI_EPILOG = "exit codes: 0 all pass, 1 any FAIL/ERROR/TIMEOUT, 2 unusable input"
+CLI_EPILOG = "exit codes: 0 all pass, 1 any FAIL/ERROR/TIMEOUT, 2 unusable input (an empty claims list included)"
 _MAX_WORKER_STDOUT = 1 << 20
 _MAX_WORKER_STDERR = 1 << 16
 
@@ -124,11 +126,13 @@ def _json_type(value: object) -> str:
 
 
 def parse_claims(data: object, source: str = "<claims>") -> list[Claim]:
-    """Validate decoded JSON (a list of ``{"claim": str, "code": str}``) into :class:`Claim` objects."""
+    """Validate decoded JSON (a non-empty list of ``{"claim": str, "code": str}``) into :class:`Claim` objects."""
     if not isinstance(data, list):
         raise ClaimsInputError(
             f'{source}: expected a JSON list of {{"claim", "code"}} objects, got a JSON {_json_type(data)}'
         )
+    if not data:
+        raise ClaimsInputError(f'{source}: the claims list is empty; give at least one {{"claim", "code"}} object')
     claims = []
     for index, entry in enumerate(data):
         where = f"{source}: claim at index {index}"

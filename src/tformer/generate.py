@@ -16,6 +16,8 @@ Shape legend: B sources, K beams, S source length, C d_model, V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -32,7 +34,8 @@ def _check_decode_args(model: EncoderDecoder, max_new_tokens: int, bos_id: int, 
     if cfg.position == "learned" and max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} exceeds the decoder's max_seq_len={cfg.max_seq_len} (learned "
-            "positions: BOS and the tokens fed back need one position each); lower max_new_tokens"
+            "positions: BOS and the tokens fed back need one position each); lower max_new_tokens "
+            "(--max-new-tokens)"
         )
 
 
@@ -105,6 +108,9 @@ def beam_search(
     _check_decode_args(model, max_new_tokens, bos_id, eos_id)
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be an integer >= 1; got {beam_size!r}")
+    if not (math.isfinite(length_penalty) and length_penalty >= 0):  # NaN would rank the hypotheses at random
+        raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT alpha; 0 = plain log-probability); "
+                         f"got {length_penalty!r}")  # fmt: skip
     B, K, V = src.shape[0], beam_size, model.cfg.vocab_size
     device = src.device
     memory = model.encode(src, src_mask).repeat_interleave(K, dim=0)  # (B*K, S, C): a source's beams adjacent

@@ -3,12 +3,14 @@
 
 ``tformer sample --checkpoint DIR --prompt TEXT`` prints the prompt, then streams the continuation of a language
 model to stdout as tokens are made. ``tformer translate --checkpoint DIR`` reads source lines from stdin and
-prints one output line per input line (beam search; ``--beam-size 1 --length-penalty 0`` is greedy).
+prints one output line per input line (beam search; ``--beam-size 1 --length-penalty 0`` is greedy); a line it
+cannot translate gives an empty output line, a message on stderr and, at the end, exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
@@ -29,7 +31,8 @@ def add_cli(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
     p.add_argument("--prompt", required=True, help="the text to continue (must encode to at least one token)")
-    more = f"tokens to generate (default {DEFAULT_NEW_TOKENS}, fewer if the learned positions end sooner)"
+    more = (f"tokens to generate (default {DEFAULT_NEW_TOKENS}); a model with learned positions sees a sliding "
+            "window of at most its max_seq_len latest tokens")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=None, help=more)
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature > 0 (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -44,7 +47,9 @@ def add_cli(subparsers) -> None:
     t = subparsers.add_parser(
         "translate", help="translate stdin line by line with a seq2seq checkpoint (beam search)",
         description="Read source lines from stdin; print one output line per input line. An empty line gives an "
-        "empty line.",
+        "empty line. A line that cannot be translated (a character the tokenizer does not know, or longer than the "
+        "model's learned positions) gives an empty line and a message 'line N: reason' on stderr; the other lines "
+        "are still translated, and the exit code is then 1 (0 when every line was translated).",
     )  # fmt: skip
     t.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
     t.add_argument("--beam-size", type=int, default=4, help="beams per source (default 4; 1 = greedy)")
@@ -109,14 +114,18 @@ class TextStream:
 
 def sample_to(out: TextIO, ckpt, prompt: str, *, max_new_tokens: int | None = None, **sampling) -> list[int]:
     """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
-    Bad settings raise ``ValueError`` before anything is written."""
-    tokenizer, cfg = ckpt.tokenizer, ckpt.model.cfg
+    Bad settings raise ``ValueError`` before anything is written. ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``."""
+    tokenizer = ckpt.tokenizer
     ids = tokenizer.encode(prompt)
+    if not ids and prompt:  # only a char tokenizer built with unknown='skip' drops characters
+        raise ValueError(
+            f"every character of the --prompt {prompt!r} is unknown to the tokenizer (it skips unknown characters), "
+            "so nothing is left to condition on; use characters of the training text"
+        )
     if not ids:
-        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+        raise ValueError("the prompt is empty; give a non-empty --prompt")
     if max_new_tokens is None:
-        room = cfg.max_seq_len - len(ids) if cfg.position == "learned" else DEFAULT_NEW_TOKENS
-        max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, room))
+        max_new_tokens = DEFAULT_NEW_TOKENS
     stream = TextStream(tokenizer, out, prefix=prompt)
     new = generate(ckpt.model, [ids], max_new_tokens=max_new_tokens, tokenizer=tokenizer,
                    eos_id=getattr(tokenizer, "eos_id", None), on_token=lambda _row, tok: stream.push(tok),
@@ -153,11 +162,30 @@ def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 def translate_lines(ckpt, lines: list[str], *, beam_size: int = 4, length_penalty: float = 0.6,
-                    max_new_tokens: int | None = None) -> list[str]:  # fmt: skip
-    """Beam-search outputs of ``lines`` (one string each; an empty line gives ``""``)."""
+                    max_new_tokens: int | None = None,
+                    on_error: Callable[[int, ValueError], None] | None = None) -> list[str]:  # fmt: skip
+    """Beam-search outputs of ``lines`` (one string each; an empty line gives ``""``); ``max_new_tokens=None``
+    allows the model's ``max_seq_len`` tokens.
+
+    A line that cannot be translated (the tokenizer rejects a character, or it has more tokens than the
+    encoder's learned positions) raises ``ValueError``; with ``on_error`` it gives ``""`` instead and
+    ``on_error(i, error)`` is called with its index in ``lines``, so the other lines are still translated.
+    """
     tokenizer, model = ckpt.tokenizer, ckpt.model
-    device = next(model.parameters()).device
-    encoded = [tokenizer.encode(line) for line in lines]
+    device, cfg = next(model.parameters()).device, model.cfg
+    encoded: list[list[int]] = []
+    for i, line in enumerate(lines):
+        try:
+            ids = tokenizer.encode(line)
+            if cfg.position == "learned" and len(ids) > cfg.max_seq_len:
+                raise ValueError(f"the line is {len(ids)} tokens long, more than the model's max_seq_len="
+                                 f"{cfg.max_seq_len} learned positions")  # fmt: skip
+        except ValueError as err:
+            if on_error is None:
+                raise
+            on_error(i, err)
+            ids = []
+        encoded.append(ids)
     present = [i for i, ids in enumerate(encoded) if ids]
     outputs = [""] * len(lines)
     if not present:
@@ -168,27 +196,49 @@ def translate_lines(ckpt, lines: list[str], *, beam_size: int = 4, length_penalt
     for row, i in enumerate(present):
         src[row, : len(encoded[i])] = torch.tensor(encoded[i])
         src_mask[row, : len(encoded[i])] = True
+    limit = cfg.max_seq_len if max_new_tokens is None else max_new_tokens
     decoded = beam_search(model, src.to(device), src_mask.to(device), beam_size=beam_size,
-                          length_penalty=length_penalty, max_new_tokens=max_new_tokens or model.cfg.max_seq_len,
-                          bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)  # fmt: skip
+                          length_penalty=length_penalty, max_new_tokens=limit, bos_id=tokenizer.bos_id,
+                          eos_id=tokenizer.eos_id)  # fmt: skip
     for row, i in enumerate(present):
         outputs[i] = tokenizer.decode(decoded[row])
     return outputs
 
 
+def _check_translate_args(args: argparse.Namespace) -> None:
+    """The flags' errors, before the checkpoint is loaded or stdin read."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
+    if args.beam_size < 1:
+        raise ValueError(f"--beam-size must be >= 1 (1 = greedy); got {args.beam_size}")
+    if not (math.isfinite(args.length_penalty) and args.length_penalty >= 0):
+        raise ValueError(f"--length-penalty must be a finite number >= 0 (0 = plain log-probability); "
+                         f"got {args.length_penalty}")  # fmt: skip
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1 (leave it out for the model's max_seq_len); "
+                         f"got {args.max_new_tokens}")  # fmt: skip
+
+
 def _run_translate(args: argparse.Namespace) -> int:
     def run() -> int:
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
+        _check_translate_args(args)
         ckpt = _load(args.checkpoint, "seq2seq", args.device, "translate")
         if ckpt.tokenizer.bos_id is None or ckpt.tokenizer.eos_id is None:
             raise ValueError(f"{ckpt.path}: the tokenizer has no <bos>/<eos> tokens; it is not a seq2seq tokenizer")
         size = 1 if sys.stdin.isatty() else args.batch_size  # at a terminal answer each line at once
+        done, failed = 0, 0  # input lines read before this chunk; lines that could not be translated
+
+        def report(i: int, err: ValueError) -> None:
+            nonlocal failed
+            failed += 1
+            print(f"tformer translate: line {done + i + 1}: {err}", file=sys.stderr)
+
         for chunk in _chunks(sys.stdin, size):
             for line in translate_lines(ckpt, chunk, beam_size=args.beam_size, length_penalty=args.length_penalty,
-                                        max_new_tokens=args.max_new_tokens):  # fmt: skip
+                                        max_new_tokens=args.max_new_tokens, on_error=report):  # fmt: skip
                 sys.stdout.write(line.replace("\n", " ") + "\n")
             sys.stdout.flush()
-        return 0
+            done += len(chunk)
+        return 1 if failed else 0
 
     return _errors("translate", run)

@@ -13,7 +13,20 @@ One step turns the next-token logits ``z (B, V)`` into a token per row, in this 
 values (:class:`tformer.layers.KVCache`). Prompts of different lengths are LEFT-padded and masked, so every row's
 newest token sits in the last column and positions count only real tokens (``tformer.models.positions_from_mask``).
 
-Shape legend: B batch, P padded prompt length, N generated tokens so far, V vocabulary.
+A sliding context window for models with learned positions (``cfg.position == "learned"``: a table of only
+``W = cfg.max_seq_len`` positions). Each row's model input is a window of its last tokens, never more than ``W``:
+
+    start   a prompt of L tokens starts the window at its last min(L, W) tokens (a longer prompt is cropped)
+    grow    each new token joins the window
+    restart when the window would hold W + 1 tokens, it restarts from the newest max(1, W // 2) tokens
+
+so once the text is longer than ``W``, each token is drawn given the last ``max(1, W // 2)`` to ``W`` tokens.
+With the cache a restart re-prefills a fresh cache from the restarted window (one prefill of at most ``W // 2``
+tokens per ``W - W // 2`` steps); without it, the model is run on the same window. Both compute the same
+logits, and a row's window depends only on its own prompt length and step, so a left-padded batch still gives
+the tokens of one by one. Sinusoidal, rotary and no positions have no limit: the window is the whole sequence.
+
+Shape legend: B batch, P padded prompt length, N generated tokens so far, V vocabulary, W context window.
 """
 
 from __future__ import annotations
@@ -40,20 +53,32 @@ class TextDecoder(Protocol):
 # Pure filters on logits (..., V)
 # --------------------------------------------------------------------------------------------------
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None, greedy: bool) -> None:
-    """Raise ``ValueError`` for settings that define no distribution."""
+    """Raise ``ValueError`` for settings that define no distribution. The messages name the argument and its
+    ``tformer sample`` flag, as both reach users."""
     if not greedy and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling (use greedy=True for T -> 0); got {temperature}")
+        raise ValueError(f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
+                         f"(greedy=True, --greedy); got {temperature}")  # fmt: skip
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 (or None for no limit); got {top_k!r}")
+        raise ValueError(f"top_k (--top-k) must be an integer >= 1 (or None / left out: no limit); got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (or None for no limit); got {top_p!r}")
+        raise ValueError(f"top_p (--top-p) must be in (0, 1] (or None / left out: no limit); got {top_p!r}")
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
-    """``z / T``: ``softmax(z / T)_i`` is proportional to ``p_i^(1/T)``."""
+    """``z / T``: ``softmax(z / T)_i`` is proportional to ``p_i^(1/T)``.
+
+    Computed as ``(z - max_i z_i) / T``, which has the same softmax but is ``<= 0`` everywhere and ``0`` at the
+    maximum: a tiny ``T`` sends the other logits to ``-inf`` (``T -> 0`` is greedy, ties shared) instead of
+    overflowing ``z / T`` to ``+inf`` and the softmax to ``inf - inf = NaN``. A ``T`` too small for the logits'
+    dtype (it would round to 0, and ``0 / 0`` is NaN) is applied in float64.
+    """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
-    return logits if temperature == 1.0 else logits / temperature
+    if temperature == 1.0:
+        return logits
+    if temperature < torch.finfo(logits.dtype).tiny:
+        logits = logits.double()
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (..., V)
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
@@ -103,13 +128,24 @@ def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) 
 
     With ``generators`` (one per row) row ``b`` draws only from ``generators[b]``, so its token does not
     depend on the other rows of the batch. Tokens with logit ``-inf`` (probability 0) are never drawn.
+
+    NaN logits (or ``+inf`` ones, whose softmax is NaN) raise ``ValueError``: ``torch.multinomial`` finds them
+    while it draws, so checking costs nothing extra (no host sync) when they are fine.
     """
     probs = logits.float().softmax(dim=-1)  # (B, V)
-    if generators is None:
-        return torch.multinomial(probs, 1)[:, 0]
-    if len(generators) != probs.shape[0]:
+    if generators is not None and len(generators) != probs.shape[0]:
         raise ValueError(f"need one generator per row: {probs.shape[0]} rows, {len(generators)} generators")
-    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)])
+    try:
+        if generators is None:
+            return torch.multinomial(probs, 1)[:, 0]
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)])
+    except RuntimeError as err:
+        if not bool(probs.isnan().any()):
+            raise
+        raise ValueError(
+            "the model produced NaN (or infinite) logits, so there is no distribution to sample from; the "
+            "checkpoint has probably diverged (look at its training loss) or its weights are corrupted"
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -207,12 +243,23 @@ class Stopper:
 # --------------------------------------------------------------------------------------------------
 # Feeding the model step by step
 # --------------------------------------------------------------------------------------------------
+def context_window(cfg) -> int | None:
+    """How many tokens the model may see at once: ``max_seq_len`` with learned positions, else ``None`` (no limit)."""
+    return cfg.max_seq_len if cfg.position == "learned" else None
+
+
 class IncrementalLM:
     """Next-token logits ``(B, V)`` of a batch of growing sequences.
 
     ``prefill()`` runs the (left-padded) prompt ``ids (B, P)`` with ``mask (B, P)`` (``None``: no padding) once;
     each ``step(tokens (B,))`` appends one token per row. With ``use_cache`` only the new token goes through the
-    model (its keys/values join the cache); without, the whole sequence is recomputed (the reference).
+    model (its keys/values join the cache); without, the whole window is recomputed (the reference).
+
+    With a context window ``W`` (:func:`context_window`; the module docstring gives the rule) row ``b`` sees
+    the columns ``starts[b] <= c < length``. The model is run on columns ``base = min_b starts[b]`` onwards,
+    with the mask ``False`` before each row's own start (so positions count from it); when a step would give
+    some row ``W + 1`` tokens (``length > limit = base + W``) that row restarts and the cache is refilled
+    (for every row: rows of different prompt lengths restart at different steps, each refilling all of them).
     """
 
     def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int,
@@ -225,22 +272,49 @@ class IncrementalLM:
         if mask is not None:
             self.mask = mask.new_ones(B, P + max_new_tokens)  # (B, P + N_max): generated tokens are real
             self.mask[:, :P] = mask
-        self.cache = model.new_cache() if use_cache else None
+        self.cache = None
+        self.window = context_window(model.cfg)
+        self.base, self.limit = 0, self.ids.shape[1]  # no window: every column, and no restart ever
+        if self.window is not None:
+            real = [P] * B if mask is None else mask.sum(dim=-1).tolist()  # prompt tokens of each row
+            self.starts = [P - min(n, self.window) for n in real]  # a longer prompt is cropped to its last W
+            self._set_window()
+
+    def _set_window(self) -> None:
+        self.base = min(self.starts)
+        self.limit = self.base + self.window
+        if self.mask is not None:  # rows with padding restart at their own steps: mask each before its start
+            columns = torch.arange(self.mask.shape[1], device=self.mask.device)
+            starts = torch.tensor(self.starts, device=self.mask.device)
+            self.mask &= columns[None, :] >= starts[:, None]  # (B, P + N_max)
+        # without padding all rows have one start, and the model sees exactly ids[:, base:length]
 
     def _mask(self) -> Tensor | None:
-        return None if self.mask is None else self.mask[:, : self.length]
+        return None if self.mask is None else self.mask[:, self.base : self.length]
 
     def prefill(self) -> Tensor:
-        """Logits of the token after the prompt ``(B, V)``."""
-        return self.model(self.ids[:, : self.length], self._mask(), self.cache)[:, -1]
+        """Logits of the token after the prompt (or the current window) ``(B, V)``; with ``use_cache`` into a
+        fresh cache."""
+        self.cache = self.model.new_cache() if self.use_cache else None
+        return self.model(self.ids[:, self.base : self.length], self._mask(), self.cache)[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
         self.ids.select(1, self.length).copy_(tokens)  # ids[:, length] = tokens, in fewer calls
         self.length += 1
+        if self.length > self.limit:  # a row's window is full: it restarts (learned positions only)
+            return self._restart()
         if self.cache is None:
-            return self.model(self.ids[:, : self.length], self._mask())[:, -1]
+            return self.model(self.ids[:, self.base : self.length], self._mask())[:, -1]
         return self.model(tokens[:, None], self._mask(), self.cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+
+    def _restart(self) -> Tensor:
+        """Restart each row whose window now holds ``W + 1`` tokens from its newest ``max(1, W // 2)``, then run
+        the model on the new windows (re-prefill: the cache of every row is rebuilt, each from its own window)."""
+        keep = max(1, self.window // 2)
+        self.starts = [self.length - keep if self.length - s > self.window else s for s in self.starts]
+        self._set_window()
+        return self.prefill()
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str | None = None):
@@ -305,6 +379,11 @@ def generate(
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; returns the new tokens of each row.
 
+    What the model conditions on: the whole prompt and every token generated so far, except with learned
+    positions (``cfg.position == "learned"``), where it sees a sliding window of at most ``max_seq_len`` tokens
+    (module docstring): a longer prompt is cropped to its last ``max_seq_len`` tokens, and once the window is
+    full it restarts from its newest ``max_seq_len // 2``. Any ``max_new_tokens`` works with every position scheme.
+
     Args:
         prompt_ids: a list of token-id lists (any lengths; left-padded internally) or a ``(B, P)`` tensor.
         temperature, top_k, top_p, greedy: the sampling rule of the module docstring (``greedy`` ignores the rest).
@@ -321,22 +400,16 @@ def generate(
             can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
             returned lists.
 
-    Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings, or a learned
-    position table too short for the longest prompt plus ``max_new_tokens``.
+    Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings, or (when
+    sampling) NaN logits from the model.
     """
     cfg = model.cfg
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+        raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")
     check_sampling_args(temperature, top_k, top_p, greedy)
     prompts = _prompt_lists(prompt_ids, cfg.vocab_size)
     if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
         raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
-    longest = max(len(p) for p in prompts)
-    if cfg.position == "learned" and longest + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(
-            f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} exceeds the model's "
-            f"max_seq_len={cfg.max_seq_len} (learned positions); shorten the prompt or lower max_new_tokens"
-        )
     stopper = Stopper(stop, eos_id, tokenizer)
     B = len(prompts)
     outputs: list[list[int]] = [[] for _ in range(B)]

@@ -74,7 +74,10 @@ class SequenceTask:
         if self.name not in TASKS:
             raise ValueError(f"unknown task {self.name!r}; choose one of {sorted(TASKS)}")
         if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"need 1 <= min_len <= max_len; got min_len={self.min_len}, max_len={self.max_len}")
+            raise ValueError(
+                f"the {self.name} task's lengths need 1 <= min_len <= max_len (--task-min-len <= --task-max-len); "
+                f"got min_len={self.min_len}, max_len={self.max_len}"
+            )
         if not 1 <= self.num_symbols <= len(_SYMBOLS):
             raise ValueError(f"num_symbols must be in [1, {len(_SYMBOLS)}]; got {self.num_symbols}")
 
@@ -173,14 +176,25 @@ def pad(seqs: list, pad_id: int = PAD) -> tuple[Tensor, Tensor]:
     return ids, torch.arange(length)[None, :] < lengths[:, None]
 
 
+def check_pairs_file(path: str | os.PathLike) -> Path:
+    """``path`` as a ``Path`` if it is a regular file: ``FileNotFoundError`` if it is missing, ``ValueError``
+    saying what it is otherwise (a directory, a device...). Cheap: for checks before any work starts."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"pairs file {path} does not exist; pass a file of source<TAB>target lines (--pairs)")
+    if not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+        raise ValueError(f"pairs file {path} is {what}; pass a file of source<TAB>target lines (--pairs)")
+    return path
+
+
 def load_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
     """Read ``source<TAB>target`` lines of a UTF-8 text file; blank lines are skipped.
 
-    A line without exactly one tab, or with an empty side, is a ``ValueError`` naming the file and line.
+    A line without exactly one tab, or with an empty side, is a ``ValueError`` naming the file and line; a path
+    that is not a regular file is an error saying what it is (:func:`check_pairs_file`).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"pairs file {path} does not exist (expected source<TAB>target lines)")
+    path = check_pairs_file(path)
     pairs = []
     with open(path, encoding="utf-8", newline="") as f:
         for number, line in enumerate(f, start=1):

@@ -182,7 +182,8 @@ class CharTokenizer(Tokenizer):
             index = next(i for i, c in enumerate(text) if c not in ids)
             raise ValueError(
                 f"character {text[index]!r} at index {index} is not in the tokenizer's {len(self.chars)} characters; "
-                "build the tokenizer with unknown='unk' or 'skip', or from a corpus that contains it"
+                "build the tokenizer with unknown='unk' or 'skip' (tformer train --unknown unk or --unknown skip), "
+                "or from a corpus that contains it"
             )
         if self.unknown == "skip":
             return [ids[c] for c in text if c in ids]

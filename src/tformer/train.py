@@ -22,7 +22,11 @@ writes checkpoints, metrics and plots. The loss is normalized by the global toke
 gradients over ranks, so the update equals the one-process update up to floating-point summation order.
 
 Files under ``OUT``: ``checkpoints/step-N/`` (see :mod:`tformer.checkpoint`), ``metrics.jsonl`` (one JSON
-record per log or evaluation event), ``loss.png`` (written at the end and on interruption).
+record per log or evaluation event), ``loss.png`` (written at the end and on interruption), ``.lock`` (held by the
+run writing to ``OUT``, so that a second one fails at once instead of clobbering it).
+
+Divergence. The losses are read back from the device once per log interval (and before each checkpoint); a loss
+that is not finite stops the run with :class:`TrainingError` before a checkpoint of the broken weights is written.
 """
 
 from __future__ import annotations
@@ -47,11 +51,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.checkpoint import (
+    CHECKPOINTS_DIR,
     Checkpoint,
     CheckpointError,
     find_latest,
+    list_checkpoints,
     load_checkpoint,
     model_class,
+    read_manifest,
     save_checkpoint,
     unwrap,
 )
@@ -81,6 +88,11 @@ SEQ2SEQ_MODEL = dict(d_model=128, num_heads=4, num_layers=2, d_ff=512, dropout=0
 # Settings that define the model and its data: a resumed run must keep them.
 STRUCTURAL = ("data", "task", "pairs", "tokenizer", "vocab_size", "unknown", "val_fraction", "model", "block_size",
               "task_min_len", "task_max_len", "task_held_out", "batch_size", "seed")  # fmt: skip
+LOCK_FILE = ".lock"  # OUT/.lock: held (flock) by the process writing to OUT
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on: the loss diverged, or another run is writing to the run directory."""
 
 
 @dataclass
@@ -133,6 +145,9 @@ class TrainConfig:
         for name in ("out", "data", "pairs", "cache_dir"):  # paths are kept as strings (JSON in checkpoints)
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
+        for name in ("data", "pairs", "cache_dir"):  # absolute, so that --resume works from any directory
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
         self.betas = tuple(self.betas)
 
     @property
@@ -153,13 +168,33 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer (--{name.replace('_', '-')}); got {value!r}")
         for name in ("warmup", "eval_every", "save_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 turns it off); got {getattr(self, name)}")
-        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr; got lr={self.lr}, min_lr={self.min_lr}")
+                raise ValueError(f"{name} must be >= 0 (--{name.replace('_', '-')}; 0 turns it off); got "
+                                 f"{getattr(self, name)}")  # fmt: skip
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "label_smoothing", "val_fraction"):
+            if not _is_finite_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number (--{name.replace('_', '-')}); got "
+                                 f"{getattr(self, name)!r}")  # fmt: skip
+        if not 0 < self.lr <= 1:  # AdamW moves every weight by about lr per step: above 1 nothing can be learned
+            raise ValueError(f"lr must be in (0, 1] (--lr; AdamW moves each weight by about lr per step); got "
+                             f"{self.lr:g}")  # fmt: skip
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr:g}] (--min-lr); got {self.min_lr:g}")
+        for name, off in (("weight_decay", "0 = no decay"), ("grad_clip", "0 = off")):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (--{name.replace('_', '-')}; {off}); got {value:g}")
+        if len(self.betas) != 2 or not all(_is_finite_number(b) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas}")
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1); got {self.val_fraction}")
+            raise ValueError(f"val_fraction must be in (0, 1) (--val-fraction); got {self.val_fraction}")
         if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1); got {self.label_smoothing}")
+            raise ValueError(f"label_smoothing must be in [0, 1) (--label-smoothing); got {self.label_smoothing}")
+        resolve_device(self.device)
+        out = Path(self.out)
+        blocking = next(p for p in (out, *out.parents) if p.exists())  # the nearest existing path must be a folder
+        if not blocking.is_dir():
+            where = "" if blocking == out else f" lies under {blocking}, which"
+            raise ValueError(f"--out {self.out}{where} is a file; give a directory")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
         if self.tokenizer not in ("byte", "char", "bpe"):
@@ -178,6 +213,10 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -364,10 +403,93 @@ def _init_world(device_name: str) -> _World:
     return _World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device ``name`` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked to exist on this machine.
+
+    ``auto`` is CUDA when there is a GPU, else the CPU. Raises ``ValueError`` naming the device and the
+    ``--device`` to use instead (``torch.device`` alone accepts ``cuda`` without a GPU and fails much later).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; use --device auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} is not available here (torch.cuda.is_available() is False); "
+                             "use --device cpu")  # fmt: skip
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r} is not available here: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}; use --device cuda:0")  # fmt: skip
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} is not available here (torch.backends.mps.is_available() is False); "
+                         "use --device cpu")  # fmt: skip
+    elif device.type not in ("cpu", "mps"):
+        raise ValueError(f"device {name!r} is not supported; use --device auto, cpu, cuda or cuda:N")
+    return device
+
+
 def _device(cfg: TrainConfig, world: _World) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device(f"cuda:{world.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(cfg.device)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and device.index is None:  # under torchrun each process takes its own GPU
+        return torch.device("cuda", world.local_rank)
+    return device
+
+
+def _all_ranks_agree(world: _World, device: torch.device, ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (a collective: every rank must call it)."""
+    if world.size == 1:
+        return ok
+    flag = torch.tensor([float(not ok)], device=device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+@contextlib.contextmanager
+def run_lock(out: str | os.PathLike):
+    """Hold an exclusive lock on ``OUT/.lock`` (creating ``OUT``) while the body runs; a run already holding it
+    makes this raise :class:`TrainingError` at once. The OS drops the lock when the process ends, even on kill -9.
+    (No-op where ``fcntl`` is missing, i.e. on Windows.)"""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(out / LOCK_FILE, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            raise TrainingError(f"another tformer run is writing to {out} (pid {pid}); wait for it or choose "
+                                "another --out") from None  # fmt: skip
+        f.truncate(0)  # "a+" writes at the end: the file now holds just our pid
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield  # closing the file releases the lock
+
+
+def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> CheckpointError:
+    """The error for a latest checkpoint of run ``out`` that fails to load with ``err``: it names that checkpoint
+    and the newest earlier one that verifies (nothing is deleted)."""
+    found = list_checkpoints(Path(out) / CHECKPOINTS_DIR)
+    if not found:
+        return err
+    good = None
+    for candidate in reversed(found[:-1]):
+        try:
+            read_manifest(candidate)  # verifies every file's size and SHA-256
+        except CheckpointError:
+            continue
+        good = candidate
+        break
+    hint = (f"delete it to resume from {good.name}" if good is not None else
+            "no earlier checkpoint verifies; train without --resume into another --out")  # fmt: skip
+    return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
 
 
 class _StopFlag:
@@ -418,7 +540,10 @@ def _check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
     if ckpt.kind != cfg.kind:
         raise ValueError(f"the checkpoint in {cfg.out} is a {ckpt.kind!r} model but this run trains a {cfg.kind!r} "
                          "one; resume with the same --data/--task/--pairs or train into another --out")  # fmt: skip
-    saved = ckpt.train_config
+    saved = dict(ckpt.train_config)
+    for name in ("data", "pairs"):  # runs saved before paths were made absolute
+        if isinstance(saved.get(name), str):
+            saved[name] = os.path.abspath(saved[name])
     diffs = [f"{k}: saved {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in STRUCTURAL
              if saved.get(k) != getattr(cfg, k)]  # fmt: skip
     if diffs:
@@ -477,19 +602,37 @@ def exact_match(model: nn.Module, held_out: list[tuple[list[int], list[int]]], t
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Train (or resume) the model ``cfg`` describes; see the module docstring for the exact procedure."""
+    """Train (or resume) the model ``cfg`` describes; see the module docstring for the exact procedure.
+
+    Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` / ``CheckpointError`` for settings, data
+    or run directories that cannot work (before training), and :class:`TrainingError` when the loss diverges or
+    another run is writing to ``cfg.out``.
+    """
     cfg.validate()
+    if cfg.data is not None and not Path(cfg.data).exists():  # before OUT is created for the lock
+        raise FileNotFoundError(f"data path {cfg.data} does not exist; pass a text file or a folder of text files")
+    if cfg.pairs is not None and not Path(cfg.pairs).is_file():
+        raise FileNotFoundError(f"pairs file {cfg.pairs} does not exist (expected source<TAB>target lines)")
     world = _init_world(cfg.device)
     try:
-        return _train(cfg, world)
+        device = _device(cfg, world)
+        with contextlib.ExitStack() as stack:
+            locked: TrainingError | None = None
+            if world.main:  # rank 0 writes OUT, so rank 0 holds the lock; every rank learns whether it got it
+                try:
+                    stack.enter_context(run_lock(cfg.out))
+                except TrainingError as err:
+                    locked = err
+            if not _all_ranks_agree(world, device, locked is None):
+                raise locked or TrainingError(f"rank 0 could not lock {cfg.out}; another run is writing there")
+            return _train(cfg, world, device)
     finally:
         if world.owns_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, world: _World) -> TrainResult:
+def _train(cfg: TrainConfig, world: _World, device: torch.device) -> TrainResult:
     out = Path(cfg.out)
-    device = _device(cfg, world)
     micro_total = world.size * cfg.grad_accum
     if cfg.batch_size % micro_total:
         raise ValueError(f"batch_size={cfg.batch_size} must divide evenly into {world.size} processes x "
@@ -500,7 +643,10 @@ def _train(cfg: TrainConfig, world: _World) -> TrainResult:
     if cfg.resume:
         if find_latest(out) is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; train without --resume first")
-        ckpt = load_checkpoint(out, with_state=True)
+        try:
+            ckpt = load_checkpoint(out, with_state=True)
+        except CheckpointError as err:
+            raise damaged_checkpoint_error(out, err) from None
         _check_resumable(cfg, ckpt)
     elif find_latest(out) is not None:
         raise FileExistsError(f"{out} already holds checkpoints (latest {find_latest(out).name}); pass --resume to "
@@ -523,11 +669,14 @@ def _train(cfg: TrainConfig, world: _World) -> TrainResult:
     model.to(device).train()
     optimizer = make_optimizer(model, cfg)
     tokens_seen = 0
+    loss_window: list[float] = []  # losses of the steps since the last log boundary (a multiple of log_every)
     if ckpt is not None:
         state = ckpt.trainer_state
         optimizer.load_state_dict(state["optimizer"])
         _set_rng_state(state["rng"])
         tokens_seen = int(state["tokens_seen"])
+        saved = [float(v) for v in state.get("loss_window", [])]  # absent in checkpoints of older versions
+        loss_window = saved[max(0, len(saved) - start % cfg.log_every) :] if start % cfg.log_every else []
         if state["data"]["next_index"] != start:
             raise CheckpointError(f"{ckpt.path}: data position {state['data']['next_index']} != step {start}")
     n_params = sum(p.numel() for p in model.parameters())
@@ -541,15 +690,19 @@ def _train(cfg: TrainConfig, world: _World) -> TrainResult:
     metrics_path = out / "metrics.jsonl"
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) <= start] if ckpt else []
-        _rewrite_jsonl(metrics_path, kept)  # drop records of steps after the checkpoint (they are redone)
+        # Drop the records of steps after the checkpoint (they are redone), and the loss record of a stop between
+        # log boundaries: the window it averaged goes on, so the next record covers the steps it would have.
+        mid_window = start % cfg.log_every != 0
+        kept = [r for r in read_metrics(metrics_path) if r.get("step", 0) < start
+                or (r.get("step") == start and not (mid_window and "loss" in r))] if ckpt else []  # fmt: skip
+        _rewrite_jsonl(metrics_path, kept)
     metrics = open(metrics_path, "a", encoding="utf-8") if world.main else None  # noqa: SIM115
 
     def save(step: int) -> Path | None:
         if not world.main:
             return None
         trainer_state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "tokens_seen": tokens_seen,
-                         "data": {"next_index": step, "seed": cfg.seed}}  # fmt: skip
+                         "data": {"next_index": step, "seed": cfg.seed}, "loss_window": list(loss_window)}  # fmt: skip
         return save_checkpoint(out, model=model, tokenizer=tokenizer, kind=cfg.kind, step=step,
                                train_config=cfg.to_dict(), trainer_state=trainer_state, keep=cfg.keep)  # fmt: skip
 
@@ -557,6 +710,14 @@ def _train(cfg: TrainConfig, world: _World) -> TrainResult:
         if metrics is not None:
             metrics.write(json.dumps(entry) + "\n")
             metrics.flush()
+
+    def check_finite(what: str, value: float, step: int) -> None:
+        if not math.isfinite(value):
+            latest = find_latest(out)
+            kept = f"checkpoints up to {latest.name} are intact" if latest else "no checkpoint was written"
+            clip = f"lower --grad-clip (now {cfg.grad_clip:g})" if cfg.grad_clip > 0 else "turn on --grad-clip"
+            raise TrainingError(f"training diverged: {what} is {value} at step {step}; lower --lr (now {cfg.lr:g}), "
+                                f"raise --warmup (now {cfg.warmup}) or {clip}; {kept}")  # fmt: skip
 
     losses: dict[int, float] = {}
     val_losses: dict[int, float] = {}
@@ -593,29 +754,40 @@ def _train(cfg: TrainConfig, world: _World) -> TrainResult:
                     dist.all_reduce(flag)
                     stop.requested = bool(flag.item())
                 last = done == end or stop.requested
-                if done % cfg.log_every == 0 or last:
-                    values = torch.stack(pending)  # the one host sync per log interval
+                boundary = done % cfg.log_every == 0
+                saving = (cfg.save_every and done % cfg.save_every == 0) or last
+                if boundary or last or saving:  # the one host sync per log interval (and before a checkpoint)
+                    values = torch.stack(pending)
                     if world.size > 1:
                         dist.all_reduce(values)  # each rank holds its share of the global mean
                     first_step = done - len(pending) + 1
-                    losses.update({first_step + i: v for i, v in enumerate(values.tolist())})
                     pending.clear()
+                    for i, value in enumerate(values.tolist()):
+                        check_finite("the training loss", value, first_step + i)
+                        losses[first_step + i] = value
+                        loss_window.append(value)
+                if boundary or last:
                     now = time.perf_counter()
                     rate = window_tokens / max(now - window_start, 1e-9)
                     window_start, window_tokens = now, 0
-                    mean = sum(losses[s] for s in range(first_step, done + 1)) / (done + 1 - first_step)
+                    mean = sum(loss_window) / len(loss_window)
                     record({"step": done, "loss": mean, "lr": lr, "tokens_per_s": rate, "tokens": tokens_seen,
                             "elapsed": now - t0})  # fmt: skip
+                    if boundary:
+                        loss_window.clear()
                     if bar is not None:
                         bar.set_postfix(loss=f"{mean:.4f}", tok_s=f"{rate:,.0f}", lr=f"{lr:.2e}", refresh=False)
                         bar.update(done - bar.n)
                 paused = time.perf_counter()  # evaluation and saving do not count against tokens/s
                 if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                     val_losses[done] = evaluate_loss(net, data.val, cfg.kind, pad_id, world, amp, device, micro_rows)
+                    check_finite("the validation loss", val_losses[done], done)
                     record({"step": done, "val_loss": val_losses[done]})
                     if bar is not None:
                         bar.write(f"step {done}: validation loss {val_losses[done]:.4f}")
-                if (cfg.save_every and done % cfg.save_every == 0) or last:
+                if saving:  # the losses so far are finite; the update of this very step must be too (one sync)
+                    finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
+                    check_finite("a weight", 0.0 if bool(finite) else math.nan, done)
                     save(done)
                 window_start += time.perf_counter() - paused
                 if stop.requested:

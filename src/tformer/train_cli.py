@@ -9,14 +9,13 @@ three minutes, then its validation loss, a sample and the loss plot.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, get_args
-
-import torch
 
 from tformer.checkpoint import CHECKPOINTS_DIR, CheckpointError, find_latest, load_checkpoint, read_manifest
 from tformer.config import Activation, AttnBackend, Position
@@ -26,6 +25,20 @@ MODEL_FLAGS = {"d_model": "d_model", "layers": "num_layers", "heads": "num_heads
                "d_ff": "d_ff", "dropout": "dropout", "position": "position", "activation": "activation",
                "attn_backend": "attn_backend"}  # fmt: skip
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
+# Flags that do nothing in a kind of run, and why: given on the command line there, they are an error.
+_TASK_TOKENIZER = "their tokenizer is the task's alphabet"
+_WHOLE_EXAMPLES = "seq2seq models read whole examples, not --block-size windows"
+_HELD_OUT = "seq2seq runs validate on all held-out examples"
+DOES_NOT_APPLY = {
+    "--task": {"tokenizer": _TASK_TOKENIZER, "vocab_size": _TASK_TOKENIZER, "unknown": _TASK_TOKENIZER,
+               "block_size": _WHOLE_EXAMPLES, "eval_batches": _HELD_OUT,
+               "val_fraction": "tasks hold out generated examples, not a share of a corpus",
+               "cache_dir": "tasks generate their examples; nothing is tokenized into a cache"},
+    "--pairs": {"block_size": _WHOLE_EXAMPLES, "eval_batches": _HELD_OUT,
+                "task_max_len": "it sets the length of generated --task examples"},
+    "--data": {"task_max_len": "it sets the length of generated --task examples",
+               "label_smoothing": "only seq2seq (--task/--pairs) runs smooth their labels"},
+}  # fmt: skip
 
 
 def add_cli(subparsers) -> None:
@@ -93,15 +106,15 @@ def add_cli(subparsers) -> None:
     d.add_argument("--steps", type=int, default=DEMO["steps"], help=f"optimizer steps (default {DEMO['steps']})")
     d.add_argument("--prompt", default="def ", help="the start of the sample")
     d.add_argument("--sample-tokens", type=int, default=400, help="bytes to sample (default 400)")
-    d.add_argument("--temperature", type=float, default=0.8)
+    d.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, > 0 (default 0.8)")
     d.add_argument("--plot-copy", default=None, help="also copy loss.png here (e.g. docs/demo_loss.png)")
-    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_run_demo)
 
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`TrainConfig` the flags describe; with ``--resume`` the saved run's, updated by the flags."""
-    from tformer.train import TrainConfig
+    from tformer.train import TrainConfig, damaged_checkpoint_error
 
     given: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("func", "command", "no_progress")}
     model = {MODEL_FLAGS[k]: given.pop(k) for k in list(given) if k in MODEL_FLAGS}
@@ -113,17 +126,39 @@ def config_from_args(args: argparse.Namespace):
         if latest is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {Path(args.out) / 'checkpoints'}; train without "
                                     "--resume first")  # fmt: skip
-        base = read_manifest(latest)["train_config"]
+        try:
+            base = read_manifest(latest)["train_config"]
+        except CheckpointError as err:
+            raise damaged_checkpoint_error(args.out, err) from None
         base.pop("stop_after", None)  # a time-box of the earlier run, not of this one
         if {"data", "task", "pairs"} & set(given):  # a new data source replaces the saved one (then checked)
             for source in ("data", "task", "pairs"):
                 base.pop(source, None)
     merged = {**base, **given, "model": {**base.get("model", {}), **model}, "progress": not args.no_progress}
-    return TrainConfig.from_dict(merged)
+    cfg = TrainConfig.from_dict(merged)
+    _reject_flags_that_do_not_apply(cfg, set(given))
+    return cfg
+
+
+def _reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
+    """``ValueError`` naming the flags given on the command line that this kind of run would silently ignore."""
+    source = "--task" if cfg.task is not None else "--pairs" if cfg.pairs is not None else "--data"
+    reasons = {name: why for name, why in DOES_NOT_APPLY[source].items() if name in given}
+    if "vocab_size" in given and "vocab_size" not in reasons and cfg.tokenizer != "bpe":
+        reasons["vocab_size"] = f"it sizes a BPE vocabulary and this run's tokenizer is {cfg.tokenizer}"
+    if "unknown" in given and "unknown" not in reasons and cfg.tokenizer != "char":
+        reasons["unknown"] = f"it is the char tokenizer's policy and this run's tokenizer is {cfg.tokenizer}"
+    if reasons:
+        run = f"{source} runs" if source != "--data" else "language-model (--data) runs"
+        parts = []
+        for why in dict.fromkeys(reasons.values()):  # one clause per reason, in the order of DOES_NOT_APPLY
+            flags = [f"--{name.replace('_', '-')}" for name, w in reasons.items() if w == why]
+            parts.append(f"{', '.join(flags)} {'does' if len(flags) == 1 else 'do'} not apply to {run} ({why})")
+        raise ValueError("; ".join(parts) + ("; leave it out" if len(reasons) == 1 else "; leave them out"))
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from tformer.train import train
+    from tformer.train import TrainingError, train
 
     try:
         cfg = config_from_args(args)
@@ -131,6 +166,9 @@ def _run_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as err:
         print(f"tformer train: error: {err}", file=sys.stderr)
         return 2
+    except TrainingError as err:  # diverged, or another run holds --out
+        print(f"tformer train: error: {err}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return EXIT_INTERRUPTED if result.interrupted else 0
     print(_summary(result))
@@ -164,53 +202,49 @@ DEMO_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0)
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
-    """Prompt + ``max_new_tokens`` sampled tokens, decoded. Uses :func:`tformer.sampling.generate` (key/value cache)
-    in windows: a model with learned positions sees at most ``max_seq_len`` tokens, so each window restarts from the
-    last half of the text so far. Deterministic for a given ``seed``."""
-    limit = model.cfg.max_seq_len
+    """Prompt + ``max_new_tokens`` sampled tokens, decoded: one call of :func:`tformer.sampling.generate` (key/value
+    cache; a model with learned positions sees a sliding window of its last ``max_seq_len`` tokens). An empty
+    prompt starts from token 0. Deterministic for a given ``seed``."""
+    from tformer.sampling import generate
+
     ids = tokenizer.encode(prompt) or [0]
-    window = 0
-    while max_new_tokens > 0:
-        context = ids if len(ids) < limit else ids[-(limit // 2) :]
-        count = min(max_new_tokens, limit - len(context))
-        ids += _generate(model, context, count, temperature, seed + window)
-        max_new_tokens -= count
-        window += 1
-    return tokenizer.decode(ids)
-
-
-def _generate(model, context: list[int], count: int, temperature: float, seed: int) -> list[int]:
-    try:
-        from tformer.sampling import generate
-    except ImportError:  # the sampling module is optional here: a minimal cached sampler instead
-        return _minimal_sample(model, context, count, temperature, seed)
-    return generate(model, [context], max_new_tokens=count, temperature=temperature, seed=seed)[0]
-
-
-@torch.no_grad()
-def _minimal_sample(model, context: list[int], count: int, temperature: float, seed: int) -> list[int]:
-    gen, cache, out = torch.Generator().manual_seed(seed), model.new_cache(), []
-    model.eval()
-    feed = torch.tensor([context])  # (1, P) the prompt, then one token per step
-    for _ in range(count):
-        logits = model(feed, cache=cache)[:, -1]  # (1, V)
-        token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)  # (1, 1)
-        out.append(int(token))
-        feed = token
-    return out
+    return tokenizer.decode(ids + generate(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature,
+                                           seed=seed)[0])  # fmt: skip
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from tformer.train import TrainConfig, train
+    from tformer.train import TrainingError
 
+    try:
+        return _demo(args)
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as err:
+        print(f"tformer train-demo: error: {err}", file=sys.stderr)
+        return 2
+    except TrainingError as err:
+        print(f"tformer train-demo: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tformer.train import TrainConfig, run_lock, train
+
+    # Every setting is checked before the stale run is removed and before training.
+    if args.sample_tokens < 1:
+        raise ValueError(f"--sample-tokens must be a positive integer; got {args.sample_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be a finite number > 0; got {args.temperature:g}")
+    if args.plot_copy is not None and Path(args.plot_copy).is_dir():
+        raise ValueError(f"--plot-copy {args.plot_copy} is a directory; give a file name such as demo_loss.png")
     out = Path(args.out)
-    for stale in (out / CHECKPOINTS_DIR, out / "metrics.jsonl", out / "loss.png"):  # the demo starts afresh
-        if stale.is_dir():
-            shutil.rmtree(stale)
-        elif stale.exists():
-            stale.unlink()
     settings = {**DEMO, "steps": args.steps, "warmup": min(DEMO["warmup"], max(1, args.steps // 10))}
     cfg = TrainConfig(out=str(out), model=dict(DEMO_MODEL), progress=not args.no_progress, **settings)
+    cfg.validate()
+    with run_lock(out):  # fails at once if another run is writing there; train() takes the lock again
+        for stale in (out / CHECKPOINTS_DIR, out / "metrics.jsonl", out / "loss.png"):  # the demo starts afresh
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            elif stale.exists():
+                stale.unlink()
     print(
         f"training a {DEMO_MODEL['num_layers']}-layer GPT (d_model {DEMO_MODEL['d_model']}, "
         f"context {cfg.block_size} bytes) on the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves"
