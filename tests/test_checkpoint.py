@@ -226,3 +226,13 @@ def test_kill_9_at_random_moments_leaves_a_loadable_checkpoint(tmp_path):
         ckpt = load_checkpoint(out, with_state=True)  # never half-written
         assert ckpt.step > last_step and ckpt.trainer_state["data"]["next_index"] == ckpt.step
         last_step = ckpt.step
+
+
+def test_a_triton_model_loads_on_the_cpu_with_an_exact_backend(tmp_path):
+    tok = ByteTokenizer()
+    model = DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size, attn_backend="triton"))
+    save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=1, train_config={})
+    assert load_checkpoint(tmp_path).config.attn_backend == "auto"  # the Triton kernels need a CUDA device
+    assert load_checkpoint(tmp_path, attn_backend="tiled").model.cfg.attn_backend == "tiled"
+    with pytest.raises(ValueError, match="attn_backend='flash' is unknown"):
+        load_checkpoint(tmp_path, attn_backend="flash")

@@ -111,3 +111,28 @@ def test_help_is_plain_and_complete(capsys):
         main(["demo", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "sequences per step (default 64)" in text and "(default 2e-3)" in text and "(default 0)" in text
+
+
+def test_triton_backend_off_cuda_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--out", str(tmp_path / "run"), "--attn-backend", "triton", *TINY]) == 2
+    assert _error_line(capsys) == (
+        "tformer train: error: attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is "
+        "on cpu; use --attn-backend auto (or sdpa, tiled)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [["sample", "--prompt", "x"], ["translate"]])
+def test_sample_and_translate_check_the_device_first(tmp_path, capsys, monkeypatch, command):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([command[0], "--checkpoint", str(tmp_path), *command[1:], "--device", "cuda"]) == 2
+    assert _error_line(capsys) == (f"tformer {command[0]}: error: device 'cuda' is not available here "
+                                   "(torch.cuda.is_available() is False); use --device cpu")  # fmt: skip
+
+
+def test_pairs_that_is_a_folder_says_so(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "run"), "--pairs", str(tmp_path)]) == 2
+    assert _error_line(capsys) == (f"tformer train: error: pairs file {tmp_path} is a directory; pass a file of "
+                                   "source<TAB>target lines (--pairs)")  # fmt: skip

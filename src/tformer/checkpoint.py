@@ -368,12 +368,19 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", with_state: bool = False
+    path: str | os.PathLike,
+    *,
+    map_location: str | torch.device = "cpu",
+    with_state: bool = False,
+    attn_backend: str | None = None,
 ) -> Checkpoint:
     """Load a checkpoint directory, or the newest checkpoint of a run directory ``OUT``.
 
     Returns the model in eval mode on ``map_location`` with its tokenizer, kind, config, step and training config;
     ``with_state=True`` also reads the optimizer/RNG/data state (``trainer_state``) needed to resume.
+    ``attn_backend`` runs the model's attention on another backend than the one it was trained with (all are
+    exact); by default the saved one, except that a model trained with ``"triton"`` runs on ``"auto"`` when
+    ``map_location`` is not a CUDA device (the Triton kernels need a GPU).
     Raises :class:`CheckpointError` for anything missing, truncated, corrupted or foreign.
     """
     directory = resolve_checkpoint(path)
@@ -382,6 +389,10 @@ def load_checkpoint(
         config = TransformerConfig.from_dict(manifest["model_config"])
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{directory / MANIFEST}: invalid model_config: {err}") from err
+    if attn_backend is None and config.attn_backend == "triton" and torch.device(map_location).type != "cuda":
+        attn_backend = "auto"
+    if attn_backend is not None:
+        config = config.replace(attn_backend=attn_backend)  # a ValueError names an unknown backend
     try:
         tokenizer = tokenizer_from_dict(
             json.loads((directory / TOKENIZER_FILE).read_text(encoding="utf-8")), str(directory / TOKENIZER_FILE)

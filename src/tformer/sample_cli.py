@@ -64,8 +64,9 @@ def add_cli(subparsers) -> None:
 
 def _load(path: str, kind: str, device: str, command: str):
     from tformer.checkpoint import load_checkpoint
+    from tformer.train import resolve_device
 
-    ckpt = load_checkpoint(path, map_location=device)
+    ckpt = load_checkpoint(path, map_location=resolve_device(device))
     if ckpt.kind != kind:
         other = "translate" if kind == "lm" else "sample"
         raise ValueError(f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} "

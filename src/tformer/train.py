@@ -76,7 +76,7 @@ from tformer.data import (
 )
 from tformer.generate import greedy_seq2seq
 from tformer.plots import plot_loss, read_metrics
-from tformer.tasks import TASKS, SequenceTask, load_pairs
+from tformer.tasks import TASKS, SequenceTask, check_pairs_file, load_pairs
 from tformer.tokenization import SEQ2SEQ_SPECIALS, CharTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 Dtype = Literal["auto", "float32", "bfloat16"]
@@ -189,7 +189,10 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1) (--val-fraction); got {self.val_fraction}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1) (--label-smoothing); got {self.label_smoothing}")
-        resolve_device(self.device)
+        device = resolve_device(self.device)
+        if self.model.get("attn_backend") == "triton" and device.type != "cuda" and not _triton_interpreter():
+            raise ValueError(f"attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is on "
+                             f"{device.type}; use --attn-backend auto (or sdpa, tiled)")  # fmt: skip
         out = Path(self.out)
         blocking = next(p for p in (out, *out.parents) if p.exists())  # the nearest existing path must be a folder
         if not blocking.is_dir():
@@ -403,6 +406,11 @@ def _init_world(device_name: str) -> _World:
     return _World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
 
 
+def _triton_interpreter() -> bool:
+    """Whether Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``): Triton kernels then run on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def resolve_device(name: str) -> torch.device:
     """The device ``name`` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked to exist on this machine.
 
@@ -611,8 +619,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     cfg.validate()
     if cfg.data is not None and not Path(cfg.data).exists():  # before OUT is created for the lock
         raise FileNotFoundError(f"data path {cfg.data} does not exist; pass a text file or a folder of text files")
-    if cfg.pairs is not None and not Path(cfg.pairs).is_file():
-        raise FileNotFoundError(f"pairs file {cfg.pairs} does not exist (expected source<TAB>target lines)")
+    if cfg.pairs is not None:
+        check_pairs_file(cfg.pairs)
     world = _init_world(cfg.device)
     try:
         device = _device(cfg, world)
