@@ -64,7 +64,7 @@ def add_cli(subparsers) -> None:
 
 def _load(path: str, kind: str, device: str, command: str):
     from tformer.checkpoint import load_checkpoint
-    from tformer.train import resolve_device
+    from tformer.runtime import resolve_device
 
     ckpt = load_checkpoint(path, map_location=resolve_device(device))
     if ckpt.kind != kind:

@@ -36,9 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import random
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +73,18 @@ from tformer.data import (
 )
 from tformer.generate import greedy_seq2seq
 from tformer.plots import plot_loss, read_metrics
+from tformer.runtime import (
+    StopFlag,
+    TrainingError,
+    World,
+    all_ranks_agree,
+    init_world,
+    resolve_device,
+    rng_state,
+    run_lock,
+    set_rng_state,
+    triton_interpreter,
+)
 from tformer.tasks import TASKS, SequenceTask, check_pairs_file, load_pairs
 from tformer.tokenization import SEQ2SEQ_SPECIALS, CharTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
@@ -88,11 +97,6 @@ SEQ2SEQ_MODEL = dict(d_model=128, num_heads=4, num_layers=2, d_ff=512, dropout=0
 # Settings that define the model and its data: a resumed run must keep them.
 STRUCTURAL = ("data", "task", "pairs", "tokenizer", "vocab_size", "unknown", "val_fraction", "model", "block_size",
               "task_min_len", "task_max_len", "task_held_out", "batch_size", "seed")  # fmt: skip
-LOCK_FILE = ".lock"  # OUT/.lock: held (flock) by the process writing to OUT
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on: the loss diverged, or another run is writing to the run directory."""
 
 
 @dataclass
@@ -190,7 +194,7 @@ class TrainConfig:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1) (--label-smoothing); got {self.label_smoothing}")
         device = resolve_device(self.device)
-        if self.model.get("attn_backend") == "triton" and device.type != "cuda" and not _triton_interpreter():
+        if self.model.get("attn_backend") == "triton" and device.type != "cuda" and not triton_interpreter():
             raise ValueError(f"attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is on "
                              f"{device.type}; use --attn-backend auto (or sdpa, tiled)")  # fmt: skip
         out = Path(self.out)
@@ -378,107 +382,11 @@ def model_config(cfg: TrainConfig, tokenizer: Tokenizer, max_len: int = 0) -> Tr
 # --------------------------------------------------------------------------------------------------
 # Processes
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class _World:
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    owns_group: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
-
-
-def _init_world(device_name: str) -> _World:
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1:
-        return _World()
-    owns = False
-    if not dist.is_initialized():
-        use_cuda = device_name != "cpu" and torch.cuda.is_available()
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        owns = True
-    return _World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
-
-
-def _triton_interpreter() -> bool:
-    """Whether Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``): Triton kernels then run on the CPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device ``name`` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked to exist on this machine.
-
-    ``auto`` is CUDA when there is a GPU, else the CPU. Raises ``ValueError`` naming the device and the
-    ``--device`` to use instead (``torch.device`` alone accepts ``cuda`` without a GPU and fails much later).
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {name!r}; use --device auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} is not available here (torch.cuda.is_available() is False); "
-                             "use --device cpu")  # fmt: skip
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"device {name!r} is not available here: this machine has {count} CUDA device(s), "
-                             f"cuda:0 to cuda:{count - 1}; use --device cuda:0")  # fmt: skip
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r} is not available here (torch.backends.mps.is_available() is False); "
-                         "use --device cpu")  # fmt: skip
-    elif device.type not in ("cpu", "mps"):
-        raise ValueError(f"device {name!r} is not supported; use --device auto, cpu, cuda or cuda:N")
-    return device
-
-
-def _device(cfg: TrainConfig, world: _World) -> torch.device:
+def _device(cfg: TrainConfig, world: World) -> torch.device:
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is None:  # under torchrun each process takes its own GPU
         return torch.device("cuda", world.local_rank)
     return device
-
-
-def _all_ranks_agree(world: _World, device: torch.device, ok: bool) -> bool:
-    """True when ``ok`` holds on every rank (a collective: every rank must call it)."""
-    if world.size == 1:
-        return ok
-    flag = torch.tensor([float(not ok)], device=device)
-    dist.all_reduce(flag)
-    return flag.item() == 0
-
-
-@contextlib.contextmanager
-def run_lock(out: str | os.PathLike):
-    """Hold an exclusive lock on ``OUT/.lock`` (creating ``OUT``) while the body runs; a run already holding it
-    makes this raise :class:`TrainingError` at once. The OS drops the lock when the process ends, even on kill -9.
-    (No-op where ``fcntl`` is missing, i.e. on Windows.)"""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(out / LOCK_FILE, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "unknown"
-            raise TrainingError(f"another tformer run is writing to {out} (pid {pid}); wait for it or choose "
-                                "another --out") from None  # fmt: skip
-        f.truncate(0)  # "a+" writes at the end: the file now holds just our pid
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        yield  # closing the file releases the lock
 
 
 def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> CheckpointError:
@@ -498,50 +406,6 @@ def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> Ch
     hint = (f"delete it to resume from {good.name}" if good is not None else
             "no earlier checkpoint verifies; train without --resume into another --out")  # fmt: skip
     return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
-
-
-class _StopFlag:
-    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one interrupts."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-        for sig, handler in self._previous.items():  # a second signal acts at once
-            signal.signal(sig, handler)
-
-    def __enter__(self) -> _StopFlag:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()  # noqa: NPY002  (the global state user code may rely on)
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, key, *rest = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))  # noqa: NPY002
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
@@ -565,7 +429,7 @@ def _check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
 # The loop
 # --------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, batches: list, kind: str, pad_id: int | None, world: _World,
+def evaluate_loss(model: nn.Module, batches: list, kind: str, pad_id: int | None, world: World,
                   amp: torch.dtype | None, device: torch.device, chunk: int) -> float:  # fmt: skip
     """Mean per-token cross-entropy over ``batches`` (no label smoothing), ``chunk`` rows at a time.
 
@@ -621,7 +485,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise FileNotFoundError(f"data path {cfg.data} does not exist; pass a text file or a folder of text files")
     if cfg.pairs is not None:
         check_pairs_file(cfg.pairs)
-    world = _init_world(cfg.device)
+    world = init_world(cfg.device)
     try:
         device = _device(cfg, world)
         with contextlib.ExitStack() as stack:
@@ -631,7 +495,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                     stack.enter_context(run_lock(cfg.out))
                 except TrainingError as err:
                     locked = err
-            if not _all_ranks_agree(world, device, locked is None):
+            if not all_ranks_agree(world, device, locked is None):
                 raise locked or TrainingError(f"rank 0 could not lock {cfg.out}; another run is writing there")
             return _train(cfg, world, device)
     finally:
@@ -639,7 +503,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, world: _World, device: torch.device) -> TrainResult:
+def _train(cfg: TrainConfig, world: World, device: torch.device) -> TrainResult:
     out = Path(cfg.out)
     micro_total = world.size * cfg.grad_accum
     if cfg.batch_size % micro_total:
@@ -681,7 +545,7 @@ def _train(cfg: TrainConfig, world: _World, device: torch.device) -> TrainResult
     if ckpt is not None:
         state = ckpt.trainer_state
         optimizer.load_state_dict(state["optimizer"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         tokens_seen = int(state["tokens_seen"])
         saved = [float(v) for v in state.get("loss_window", [])]  # absent in checkpoints of older versions
         loss_window = saved[max(0, len(saved) - start % cfg.log_every) :] if start % cfg.log_every else []
@@ -709,7 +573,7 @@ def _train(cfg: TrainConfig, world: _World, device: torch.device) -> TrainResult
     def save(step: int) -> Path | None:
         if not world.main:
             return None
-        trainer_state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "tokens_seen": tokens_seen,
+        trainer_state = {"optimizer": optimizer.state_dict(), "rng": rng_state(), "tokens_seen": tokens_seen,
                          "data": {"next_index": step, "seed": cfg.seed}, "loss_window": list(loss_window)}  # fmt: skip
         return save_checkpoint(out, model=model, tokenizer=tokenizer, kind=cfg.kind, step=step,
                                train_config=cfg.to_dict(), trainer_state=trainer_state, keep=cfg.keep)  # fmt: skip
@@ -741,7 +605,7 @@ def _train(cfg: TrainConfig, world: _World, device: torch.device) -> TrainResult
 
     accuracy = None
     try:
-        with _StopFlag() as stop:
+        with StopFlag() as stop:
             for step in range(start, end):
                 lr = lr_at(step, cfg)
                 for group in optimizer.param_groups:
@@ -828,7 +692,7 @@ def _train(cfg: TrainConfig, world: _World, device: torch.device) -> TrainResult
     )
 
 
-def _accumulate_gradients(net: nn.Module, batch, cfg: TrainConfig, world: _World, micro_rows: int,
+def _accumulate_gradients(net: nn.Module, batch, cfg: TrainConfig, world: World, micro_rows: int,
                           device: torch.device, amp: torch.dtype | None, pad_id: int | None) -> Tensor:  # fmt: skip
     """Forward and backward this rank's micro-batches of one global batch; returns its share of the mean loss.
 
@@ -853,7 +717,7 @@ def _accumulate_gradients(net: nn.Module, batch, cfg: TrainConfig, world: _World
     return total / batch.num_tokens
 
 
-def _progress_bar(cfg: TrainConfig, world: _World, start: int, n_params: int):
+def _progress_bar(cfg: TrainConfig, world: World, start: int, n_params: int):
     if not (cfg.progress and world.main):
         return None
     from tqdm.auto import tqdm

@@ -1,0 +1,168 @@
+"""The process around a training run: devices, ranks under ``torchrun``, the run lock, Ctrl-C, RNG state.
+
+Nothing here knows about models or data; :mod:`tformer.train` uses these pieces, and the CLIs use
+:func:`resolve_device` to check ``--device`` before loading anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LOCK_FILE = ".lock"  # OUT/.lock: held (flock) by the process writing to OUT
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on: the loss diverged, or another run is writing to the run directory."""
+
+
+@dataclass
+class World:
+    """This process's place in a ``torchrun`` job (rank 0 of 1 without one); ``main`` is the rank that writes."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def init_world(device_name: str) -> World:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World()
+    owns = False
+    if not dist.is_initialized():
+        use_cuda = device_name != "cpu" and torch.cuda.is_available()
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        owns = True
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+
+
+def triton_interpreter() -> bool:
+    """Whether Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``): Triton kernels then run on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device ``name`` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked to exist on this machine.
+
+    ``auto`` is CUDA when there is a GPU, else the CPU. Raises ``ValueError`` naming the device and the
+    ``--device`` to use instead (``torch.device`` alone accepts ``cuda`` without a GPU and fails much later).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; use --device auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} is not available here (torch.cuda.is_available() is False); "
+                             "use --device cpu")  # fmt: skip
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r} is not available here: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}; use --device cuda:0")  # fmt: skip
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} is not available here (torch.backends.mps.is_available() is False); "
+                         "use --device cpu")  # fmt: skip
+    elif device.type not in ("cpu", "mps"):
+        raise ValueError(f"device {name!r} is not supported; use --device auto, cpu, cuda or cuda:N")
+    return device
+
+
+def all_ranks_agree(world: World, device: torch.device, ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (a collective: every rank must call it)."""
+    if world.size == 1:
+        return ok
+    flag = torch.tensor([float(not ok)], device=device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+@contextlib.contextmanager
+def run_lock(out: str | os.PathLike):
+    """Hold an exclusive lock on ``OUT/.lock`` (creating ``OUT``) while the body runs; a run already holding it
+    makes this raise :class:`TrainingError` at once. The OS drops the lock when the process ends, even on kill -9.
+    (No-op where ``fcntl`` is missing, i.e. on Windows.)"""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(out / LOCK_FILE, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            raise TrainingError(f"another tformer run is writing to {out} (pid {pid}); wait for it or choose "
+                                "another --out") from None  # fmt: skip
+        f.truncate(0)  # "a+" writes at the end: the file now holds just our pid
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield  # closing the file releases the lock
+
+
+class StopFlag:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one interrupts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        for sig, handler in self._previous.items():  # a second signal acts at once
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()  # noqa: NPY002  (the global state user code may rely on)
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))  # noqa: NPY002
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
