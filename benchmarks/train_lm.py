@@ -36,6 +36,8 @@ from tformer.tokenization import CharTokenizer
 from tformer.train import TrainConfig, lr_at, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
+# The same function on both sides: exact GELU, or GPT-2's tanh approximation (GPT2Config's default "gelu_new")
+HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
 @dataclass
@@ -54,7 +56,7 @@ class Runner:
 def tformer_model(vocab: int, args: argparse.Namespace) -> nn.Module:
     cfg = TransformerConfig(vocab_size=vocab, d_model=args.n_embd, num_heads=args.n_head, num_layers=args.n_layer,
                             d_ff=4 * args.n_embd, max_seq_len=args.block_size, dropout=0.0, position="learned",
-                            activation="gelu", norm_first=True, tie_embeddings=True, bias=True)  # fmt: skip
+                            activation=args.activation, norm_first=True, tie_embeddings=True, bias=True)  # fmt: skip
     return DecoderLM(cfg)
 
 
@@ -62,7 +64,8 @@ def hf_model(vocab: int, args: argparse.Namespace) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=vocab, n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-                     n_head=args.n_head, n_inner=4 * args.n_embd, activation_function="gelu", resid_pdrop=0.0,
+                     n_head=args.n_head, n_inner=4 * args.n_embd, activation_function=HF_ACTIVATION[args.activation],
+                     resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                      bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")  # fmt: skip
     return GPT2LMHeadModel(cfg)
@@ -123,6 +126,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=50, help="steps per model before switching (interleaving)")
     parser.add_argument("--models", default="tformer,hf", help="comma-separated: tformer, hf")
     parser.add_argument("--compile", default="", help="models to torch.compile, e.g. 'tformer' or 'tformer,hf'")
+    activation = "gelu: exact on both sides (default); gelu_tanh: GPT-2's tanh form (HF's default gelu_new)"
+    parser.add_argument("--activation", choices=sorted(HF_ACTIVATION), default="gelu", help=activation)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--report", type=int, default=500, help="print training progress every N steps")
     parser.add_argument("--flush-denormal", action="store_true", help="flush denormal floats to zero (both models)")
