@@ -272,6 +272,16 @@ def test_stop_strings_cut_the_text_before_the_stop():
         (dict(stop=[[]]), "must not be empty"),
         (dict(eos_id=VOCAB), "eos_id"),
         (dict(seed=[1, 2, 3]), "one seed per prompt"),
+        (dict(temperature=float("inf")), r"temperature \(--temperature\) must be a finite number > 0"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(seed=-1), r"seed \(--seed\) must be an integer in \[0, 2\*\*63 - 1 = 9223372036854775807\]; got -1"),
+        (dict(seed=10**20), r"seed \(--seed\) must be an integer in \[0, 2\*\*63 - 1"),
+        (
+            dict(prompt_ids=[[1], [2]], seed=[0, 2**63]),
+            r"seed \(--seed\) must be an integer .*; got 9223372036854775808",
+        ),
+        (dict(prompt_ids=[[1], [2]], seed=2**63 - 1), r"\(row 1 of the batch draws with seed \+ 1\)"),
+        (dict(seed=1.5), r"seed \(--seed\) must be an integer or a list of integers; got 1.5"),
         (dict(prompt_ids=torch.zeros(1, 3)), "integer tensor"),
     ],
 )
@@ -280,6 +290,22 @@ def test_bad_input_raises_clear_value_errors(kwargs, message):
     args = dict(prompt_ids=[[1, 2]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(model, args.pop("prompt_ids"), **args)
+
+
+def test_bad_seed_is_an_error_even_when_nothing_is_generated():
+    with pytest.raises(ValueError, match="--seed"):
+        generate(_model(), [[1, 2]], max_new_tokens=0, seed=-1)
+
+
+def test_largest_seed_is_accepted_and_reproducible():
+    model = _model()
+    first = generate(model, [[1, 2]], max_new_tokens=6, seed=2**63 - 1)
+    assert first == generate(model, [[1, 2]], max_new_tokens=6, seed=[2**63 - 1])
+
+
+def test_infinite_temperature_is_rejected_by_the_filter_too():
+    with pytest.raises(ValueError, match="finite"):
+        apply_temperature(torch.zeros(1, 4), float("inf"))
 
 
 def test_every_position_scheme_generates_past_max_seq_len():
@@ -299,6 +325,17 @@ def test_sampling_nan_logits_raises_a_clear_error():
     with pytest.raises(ValueError, match="NaN"):
         sample(torch.tensor([[float("inf"), 1.0]]))  # softmax of +inf is NaN as well
     assert sample(torch.tensor([[float("-inf"), 1.0]])).tolist() == [1]  # -inf is just probability 0
+
+
+@pytest.mark.parametrize("stops", [False, True])  # the block decoder, and the row-by-row one (stops, streaming)
+def test_greedy_on_a_nan_model_raises_instead_of_returning_garbage(stops):
+    model = _model()
+    with torch.no_grad():
+        model.decoder.stack.blocks[0].ff.up.weight[0, 0] = float("nan")
+    extra = dict(eos_id=3, on_token=lambda row, tok: None) if stops else {}
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match="NaN .*logits.*diverged"):
+            generate(model, [[1, 2], [3]], max_new_tokens=3, greedy=True, use_cache=use_cache, **extra)
 
 
 def test_temperature_zero_message_names_the_api_and_the_cli():

@@ -227,8 +227,25 @@ def test_resume_mid_window_logs_what_a_straight_run_logs(tmp_path, corpus):
         (dict(betas=(0.9, 1.5)), r"betas must be two numbers in \[0, 1\)"),
         (dict(warmup=-1), r"warmup must be >= 0 \(--warmup; 0 turns it off\)"),
         (dict(device="foo"), r"unknown device 'foo'; use --device auto, cpu, cuda or cuda:N"),
+        (dict(seed=-1), r"^seed must be an integer in \[0, 2\*\*63\) \(--seed\); got -1$"),
+        (dict(seed=2**63), r"^seed must be an integer in \[0, 2\*\*63\) \(--seed\); got 9223372036854775808$"),
+        (dict(keep=0), r"^keep must be a positive integer \(--keep\); got 0$"),
+        (dict(task_held_out=0), r"^task_held_out must be a positive integer; got 0$"),  # no flag: none is named
+        (dict(batch_size=7, grad_accum=2),
+         r"^batch_size=7 must divide evenly into grad_accum=2 micro-batches \(--batch-size, --grad-accum\)$"),
+        (dict(model=dict(TINY, num_heads=3)),
+         r"^TransformerConfig.d_model=32 is not divisible by num_heads=3; .* \(--d-model, --heads\)$"),
+        (dict(model=dict(TINY, num_kv_heads=3)),
+         r"^TransformerConfig.num_kv_heads=3 must divide num_heads=4 \(--heads, --kv-heads\)$"),
+        (dict(model=dict(TINY, dropout=float("nan"))),
+         r"^TransformerConfig.dropout must be in \[0, 1\); got nan \(--dropout\)$"),
+        (dict(model=dict(TINY, position="learned", max_seq_len=8)),
+         r"model max_seq_len=8 is shorter than the 16 positions"),
+        (dict(betas=5), r"^betas must be two numbers; got 5$"),
+        (dict(data=5), r"^data must be a path \(--data\); got 5$"),
+        (dict(model="x"), r"^model must be a dict of TransformerConfig fields; got 'x'$"),
     ],
-)
+)  # fmt: skip
 def test_settings_out_of_range_are_rejected_before_training(tmp_path, corpus, changes, message):
     with pytest.raises(ValueError, match=message):
         train(_cfg(tmp_path, corpus, **changes))
@@ -376,3 +393,134 @@ def test_flags_that_apply_are_accepted():
                   ["--pairs", "p.tsv", "--tokenizer", "bpe", "--vocab-size", "300"],
                   ["--tokenizer", "char", "--unknown", "skip", "--block-size", "64"]):  # fmt: skip
         config_from_args(build_parser().parse_args(["train", "--out", "x", *flags]))
+
+
+def test_every_train_config_field_has_a_type_check():
+    from dataclasses import fields
+
+    from tformer.train import FIELD_TYPES
+
+    assert sorted(FIELD_TYPES) == sorted(f.name for f in fields(TrainConfig))
+    TrainConfig(out="x").validate()  # the defaults pass their own checks
+
+
+def test_a_run_that_fails_before_training_removes_the_out_it_created(tmp_path, corpus):
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="too short for windows of block_size=5000"):  # found after tokenizing
+        train(_cfg(tmp_path, corpus, out=str(out), block_size=5000))
+    assert not (tmp_path / "new").exists()  # OUT and the parent the run created, with its .lock
+    folder = tmp_path / "no_text"
+    folder.mkdir()
+    (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0")
+    with pytest.raises(ValueError, match="holds no text files"):  # found before OUT is created
+        train(_cfg(tmp_path, folder, out=str(out)))
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)  # a folder that was there before the run is never removed
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="too short"):
+        train(_cfg(tmp_path, corpus, out=str(out), block_size=5000))
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_ctrl_c_before_training_removes_the_out_it_created(tmp_path, corpus, monkeypatch):
+    module = importlib.import_module("tformer.train")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt  # a second Ctrl-C during tokenization
+
+    monkeypatch.setattr(module, "_prepare_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tmp_path, corpus))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_logged_steps_keeps_its_out_when_it_fails(tmp_path, corpus, monkeypatch):
+    module = importlib.import_module("tformer.train")
+    calls = []
+    real = module.lm_loss_sum
+
+    def poisoned(model, x, y):  # NaN from step 3 on, before any checkpoint (save_every=0)
+        calls.append(1)
+        return real(model, x, y) * (float("nan") if len(calls) >= 3 else 1.0)
+
+    monkeypatch.setattr(module, "lm_loss_sum", poisoned)
+    with pytest.raises(TrainingError, match="no checkpoint was written"):
+        train(_cfg(tmp_path, corpus, eval_every=0))
+    assert sorted(_loss_records(tmp_path / "run")) == [1, 2]  # what happened is still there to read
+    assert (tmp_path / "run" / "loss.png").exists()
+
+
+def test_skipped_files_of_a_data_folder_are_reported_once(tmp_path, corpus, capsys):
+    folder = tmp_path / "folder"
+    (folder / ".git").mkdir(parents=True)
+    (folder / "code.py").write_text(corpus.read_text())
+    (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0")
+    (folder / "latin1.txt").write_bytes(b"caf\xe9\n")
+    train(_cfg(tmp_path, folder, steps=1, eval_every=0))
+    assert capsys.readouterr().err == (f"data: skipped 1 hidden entry (.git) and 2 files that are not UTF-8 text "
+                                       f"(image.png, latin1.txt) under {folder}\n")  # fmt: skip
+    train(_cfg(tmp_path, corpus, "clean", steps=1, eval_every=0))
+    assert capsys.readouterr().err == ""  # nothing skipped, nothing said
+
+
+def _edit_manifests(out, edit) -> None:
+    for manifest in (out / "checkpoints").glob("step-*/checkpoint.json"):
+        data = json.loads(manifest.read_text())
+        edit(data)
+        manifest.write_text(json.dumps(data))
+
+
+def test_a_run_trained_with_triton_resumes_on_the_cpu(tmp_path, corpus, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = build_parser()
+    common = ["train", "--out", str(tmp_path / "run"), "--no-progress"]
+    flags = ["--data", str(corpus), "--block-size", "16", "--d-model", "32", "--layers", "1", "--batch-size", "4",
+             "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0"]  # fmt: skip
+    args = parser.parse_args([*common, *flags, "--steps", "2"])
+    assert args.func(args) == 0
+
+    def to_triton(manifest):  # as a run on a GPU with --attn-backend triton saves it
+        manifest["model_config"]["attn_backend"] = "triton"
+        manifest["train_config"]["model"]["attn_backend"] = "triton"
+
+    _edit_manifests(tmp_path / "run", to_triton)
+    args = parser.parse_args([*common, "--resume", "--steps", "3"])  # no --attn-backend: triton becomes auto here
+    assert config_from_args(args).model["attn_backend"] == "auto"
+    assert args.func(args) == 0
+    _edit_manifests(tmp_path / "run", to_triton)
+    args = parser.parse_args([*common, "--resume", "--steps", "4", "--attn-backend", "sdpa"])
+    assert args.func(args) == 0
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.step == 4 and ckpt.config.attn_backend == "sdpa" == ckpt.train_config["model"]["attn_backend"]
+    with pytest.raises(ValueError, match="attn_backend 'triton' .* runs on CUDA GPUs"):  # asked for: still an error
+        train(config_from_args(parser.parse_args([*common, "--resume", "--steps", "5", "--attn-backend", "triton"])))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("model", "x", r"malformed train_config: model must be a dict of TransformerConfig fields; got 'x'$"),
+        ("model", {"num_heads": "x"}, r"malformed train_config: model: TransformerConfig.num_heads must be a positive "
+                                      r"integer; got 'x' \(--heads\)$"),
+        ("betas", 5, r"malformed train_config: betas must be two numbers; got 5$"),
+        ("data", 5, r"malformed train_config: data must be a path \(--data\); got 5$"),
+        ("warmup", "many", r"malformed train_config: warmup must be an integer \(--warmup\); got 'many'$"),
+    ],
+)  # fmt: skip
+def test_a_malformed_saved_train_config_names_the_manifest_and_the_field(tmp_path, corpus, field, value, message):
+    train(_cfg(tmp_path, corpus, steps=2, eval_every=0))
+    _edit_manifests(tmp_path / "run", lambda manifest: manifest["train_config"].update({field: value}))
+    args = build_parser().parse_args(["train", "--out", str(tmp_path / "run"), "--resume", "--steps", "3"])
+    with pytest.raises(CheckpointError, match=r"^\S*run/checkpoints/step-000002/checkpoint.json: " + message):
+        config_from_args(args)
+
+
+def test_a_saved_value_out_of_range_is_fixed_by_its_flag(tmp_path, corpus):
+    train(_cfg(tmp_path, corpus, steps=2, eval_every=0))
+    _edit_manifests(tmp_path / "run", lambda manifest: manifest["train_config"].update(keep=0))
+    common = ["train", "--out", str(tmp_path / "run"), "--resume", "--steps", "3", "--no-progress"]
+    with pytest.raises(ValueError, match=r"^keep must be a positive integer \(--keep\); got 0$"):
+        train(config_from_args(build_parser().parse_args(common)))
+    assert train(config_from_args(build_parser().parse_args([*common, "--keep", "1"]))).step == 3
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000003"]

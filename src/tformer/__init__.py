@@ -7,10 +7,10 @@ Layers of the package (dependencies point one way):
 from tformer import functional
 from tformer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from tformer.config import TransformerConfig
-from tformer.generate import beam_search, greedy_seq2seq
 from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
 from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
 from tformer.sampling import generate
+from tformer.seq2seq import beam_search, greedy_seq2seq
 from tformer.train import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"

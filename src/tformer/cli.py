@@ -3,12 +3,18 @@
 Each command module contributes ``add_cli(subparsers)``, which registers its parser and sets
 ``func(args) -> exit code``. Ctrl-C outside a training loop (which saves and stops by itself) ends the command
 with exit status 130, as the shell reports a process stopped by SIGINT.
+
+Output that cannot be written ends the command without a traceback: a reader that went away (``tformer sample
+... | head``) quietly with exit status 141, as the shell reports a process stopped by SIGPIPE; anything else (a
+full disk) with one line on stderr and exit status 1. This module imports nothing heavy (no torch): the command
+modules are imported inside :func:`main`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules that register commands; each is imported only when the CLI starts.
@@ -21,6 +27,46 @@ COMMAND_MODULES = [
 ]
 DESCRIPTION = "The tformer command line: train, sample and study Transformers. tformer COMMAND --help lists its flags."
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
+EXIT_BROKEN_PIPE = 141  # the shell's code for "stopped by SIGPIPE" (128 + 13)
+
+
+class OutputError(Exception):
+    """Writing to stdout failed; ``__cause__`` is the ``OSError`` (a broken pipe, a full disk)."""
+
+
+class _GuardedStdout:
+    """``sys.stdout`` while a command runs: an ``OSError`` from writing or flushing it becomes :class:`OutputError`,
+    so that it is told apart from other ``OSError`` s (a checkpoint that cannot be written is not "output")."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            raise OutputError(err) from err
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            raise OutputError(err) from err
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at ``os.devnull``, so that the flush of what is still buffered when Python exits
+    does not fail a second time (the Python docs' "Note on SIGPIPE", signal module)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's stand-in): nothing is flushed at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,12 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stdout = sys.stdout
+    if stdout is not None:  # None: no console at all (pythonw)
+        sys.stdout = _GuardedStdout(stdout)
     try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        try:
+            args = build_parser().parse_args(argv)
+            return int(args.func(args) or 0)
+        finally:  # what is still buffered (stdout is a pipe or a file) fails here, inside the handlers below
+            if sys.stdout is not None:
+                sys.stdout.flush()
     except KeyboardInterrupt:  # e.g. during imports or tokenization, before a loop's own Ctrl-C handling
         print("tformer: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except (OutputError, BrokenPipeError) as err:  # a BrokenPipeError directly: a write that went around sys.stdout
+        sys.stdout = stdout
+        _discard_stdout()
+        cause = err.__cause__ if isinstance(err, OutputError) else err
+        if isinstance(cause, BrokenPipeError):  # the reader is gone: nobody to tell
+            return EXIT_BROKEN_PIPE
+        print(f"tformer: error writing output: {cause}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

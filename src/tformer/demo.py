@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tformer.config import TransformerConfig
-from tformer.generate import greedy_seq2seq
 from tformer.models import EncoderDecoder, num_parameters
-from tformer.tasks import BOS, EOS, PAD, SequenceTask
+from tformer.seq2seq import greedy_seq2seq
+from tformer.tasks import BOS, EOS, PAD, SPECIALS, SequenceTask
 
 
 @dataclass
@@ -116,9 +116,12 @@ def run_demo(
     return DemoResult(accuracy, loss_value, steps, time.perf_counter() - start, examples)
 
 
+SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>"}
+
+
 def format_result(result: DemoResult) -> str:
-    def show(seq: list[int]) -> str:
-        return " ".join(str(t - 3) for t in seq)  # symbols 3.. print as digits 0..9
+    def show(seq: list[int]) -> str:  # symbols 3.. print as digits 0..9, the special ids by name
+        return " ".join(SPECIAL_NAMES.get(t) or str(t - SPECIALS) for t in seq)
 
     lines = [
         f"trained {result.steps} steps in {result.seconds:.0f} s, final training loss {result.final_loss:.4f}",

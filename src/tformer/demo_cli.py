@@ -36,6 +36,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be a positive integer; got {value}")
     if not (math.isfinite(args.lr) and 0 < args.lr <= 1):  # AdamW moves each weight by about lr per step
         raise ValueError(f"--lr must be a number in (0, 1]; got {args.lr:g}")
+    if not 0 <= args.seed < 2**63:  # the range `tformer train --seed` takes (numpy's generators take no negative seed)
+        raise ValueError(f"--seed must be an integer in [0, 2**63); got {args.seed}")
 
 
 def _run(args: argparse.Namespace) -> int:

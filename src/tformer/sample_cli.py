@@ -1,10 +1,11 @@
 """``tformer sample`` and ``tformer translate``: thin skins over :func:`tformer.sampling.generate` and
-:func:`tformer.generate.beam_search` for a saved checkpoint.
+:func:`tformer.seq2seq.beam_search` for a saved checkpoint.
 
 ``tformer sample --checkpoint DIR --prompt TEXT`` prints the prompt, then streams the continuation of a language
 model to stdout as tokens are made. ``tformer translate --checkpoint DIR`` reads source lines from stdin and
 prints one output line per input line (beam search; ``--beam-size 1 --length-penalty 0`` is greedy); a line it
-cannot translate gives an empty output line, a message on stderr and, at the end, exit code 1.
+cannot translate (not valid UTF-8, a character the tokenizer does not know, too long) gives an empty output
+line, a message on stderr and, at the end, exit code 1.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TextIO
 
 import torch
 
-from tformer.generate import beam_search
-from tformer.sampling import generate
+from tformer.sampling import check_sampling_args, generate, row_seeds
+from tformer.seq2seq import beam_search
 
 DEFAULT_NEW_TOKENS = 200
 
@@ -38,7 +40,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus: the most likely tokens holding mass >= p")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (ignores the three above)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: unseeded)")
+    p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**63) (default: unseeded)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="end when the generated text contains STR (not printed); repeatable")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
@@ -46,10 +48,10 @@ def add_cli(subparsers) -> None:
 
     t = subparsers.add_parser(
         "translate", help="translate stdin line by line with a seq2seq checkpoint (beam search)",
-        description="Read source lines from stdin; print one output line per input line. An empty line gives an "
-        "empty line. A line that cannot be translated (a character the tokenizer does not know, or longer than the "
-        "model's learned positions) gives an empty line and a message 'line N: reason' on stderr; the other lines "
-        "are still translated, and the exit code is then 1 (0 when every line was translated).",
+        description="Read source lines (UTF-8) from stdin; print one output line per input line. An empty line gives "
+        "an empty line. A line that cannot be translated (not valid UTF-8, a character the tokenizer does not know, "
+        "or longer than the model's learned positions) gives an empty line and a message 'line N: reason' on stderr; "
+        "the other lines are still translated, and the exit code is then 1 (0 when every line was translated).",
     )  # fmt: skip
     t.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
     t.add_argument("--beam-size", type=int, default=4, help="beams per source (default 4; 1 = greedy)")
@@ -63,15 +65,41 @@ def add_cli(subparsers) -> None:
 
 
 def _load(path: str, kind: str, device: str, command: str):
-    from tformer.checkpoint import load_checkpoint
+    from tformer.checkpoint import CheckpointError, load_checkpoint
     from tformer.runtime import resolve_device
 
-    ckpt = load_checkpoint(path, map_location=resolve_device(device))
+    try:
+        ckpt = load_checkpoint(path, map_location=resolve_device(device))
+    except CheckpointError as err:
+        raise _damaged_latest_error(path, err) from err
     if ckpt.kind != kind:
         other = "translate" if kind == "lm" else "sample"
         raise ValueError(f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} "
                          f"(use `tformer {other}`)")  # fmt: skip
     return ckpt
+
+
+def _damaged_latest_error(path: str, err: Exception) -> Exception:
+    """For ``path`` a run directory (or its ``checkpoints`` folder) whose newest checkpoint failed to load with
+    ``err``: an error that also names the newest earlier checkpoint that verifies, to pass as --checkpoint.
+    ``err`` itself for a specific checkpoint directory, or when there is no earlier one."""
+    from tformer.checkpoint import CHECKPOINTS_DIR, MANIFEST, CheckpointError, list_checkpoints, read_manifest
+
+    root = Path(path)
+    if (root / MANIFEST).exists():  # a specific checkpoint: the user chose it, there is nothing to fall back to
+        return err
+    found = list_checkpoints(root / CHECKPOINTS_DIR) or list_checkpoints(root)  # as load_checkpoint looks
+    if not found:
+        return err
+    for older in reversed(found[:-1]):
+        try:
+            read_manifest(older)  # verifies every file's size and SHA-256
+        except CheckpointError:
+            continue
+        return CheckpointError(f"the newest checkpoint {found[-1]} is damaged ({err}); delete it, or pass "
+                               f"--checkpoint {older}")  # fmt: skip
+    return CheckpointError(f"the newest checkpoint {found[-1]} is damaged ({err}); no earlier checkpoint of {path} "
+                           "verifies")  # fmt: skip
 
 
 def _errors(command: str, run: Callable[[], int]) -> int:
@@ -139,6 +167,8 @@ def sample_to(out: TextIO, ckpt, prompt: str, *, max_new_tokens: int | None = No
 
 def _run_sample(args: argparse.Namespace) -> int:
     def run() -> int:
+        check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
+        row_seeds(args.seed, 1)
         ckpt = _load(args.checkpoint, "lm", args.device, "sample")
         sample_to(sys.stdout, ckpt, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, seed=args.seed,
@@ -151,15 +181,36 @@ def _run_sample(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 # translate
 # --------------------------------------------------------------------------------------------------
-def _chunks(lines: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _decode_line(line: bytes | str) -> str | ValueError:
+    """An input line without its line end: decoded as strict UTF-8 (a ``str`` line is already text), or the
+    ``ValueError`` that makes it a failed line."""
+    if isinstance(line, str):
+        return line.rstrip("\r\n")
+    try:
+        return line.rstrip(b"\r\n").decode("utf-8")
+    except UnicodeDecodeError as err:
+        return ValueError(f"not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start})")
+
+
+def _chunks(lines: Iterable[bytes | str], size: int) -> Iterator[list[str | ValueError]]:
+    """Groups of ``size`` decoded lines (the last may be shorter), each read only when needed."""
+    chunk: list[str | ValueError] = []
     for line in lines:
-        chunk.append(line.rstrip("\r\n"))
+        chunk.append(_decode_line(line))
         if len(chunk) == size:
             yield chunk
             chunk = []
     if chunk:
         yield chunk
+
+
+def _stdin_lines() -> Iterable[bytes | str]:
+    """The lines of stdin as bytes (each decoded by :func:`_decode_line`, so one bad byte fails one line), or as
+    text when stdin was replaced by a text stream without a byte buffer."""
+    if sys.stdin is None:
+        raise ValueError("there is no standard input (stdin is closed); pipe the source lines in, e.g. "
+                         "`echo 31415 | tformer translate --checkpoint DIR`")  # fmt: skip
+    return getattr(sys.stdin, "buffer", sys.stdin)
 
 
 def translate_lines(ckpt, lines: list[str], *, beam_size: int = 4, length_penalty: float = 0.6,
@@ -223,23 +274,23 @@ def _check_translate_args(args: argparse.Namespace) -> None:
 def _run_translate(args: argparse.Namespace) -> int:
     def run() -> int:
         _check_translate_args(args)
+        lines = _stdin_lines()
         ckpt = _load(args.checkpoint, "seq2seq", args.device, "translate")
         if ckpt.tokenizer.bos_id is None or ckpt.tokenizer.eos_id is None:
             raise ValueError(f"{ckpt.path}: the tokenizer has no <bos>/<eos> tokens; it is not a seq2seq tokenizer")
         size = 1 if sys.stdin.isatty() else args.batch_size  # at a terminal answer each line at once
         done, failed = 0, 0  # input lines read before this chunk; lines that could not be translated
-
-        def report(i: int, err: ValueError) -> None:
-            nonlocal failed
-            failed += 1
-            print(f"tformer translate: line {done + i + 1}: {err}", file=sys.stderr)
-
-        for chunk in _chunks(sys.stdin, size):
-            for line in translate_lines(ckpt, chunk, beam_size=args.beam_size, length_penalty=args.length_penalty,
-                                        max_new_tokens=args.max_new_tokens, on_error=report):  # fmt: skip
+        for chunk in _chunks(lines, size):
+            errors = {i: item for i, item in enumerate(chunk) if isinstance(item, ValueError)}  # undecodable
+            texts = ["" if isinstance(item, ValueError) else item for item in chunk]
+            outputs = translate_lines(ckpt, texts, beam_size=args.beam_size, length_penalty=args.length_penalty,
+                                      max_new_tokens=args.max_new_tokens, on_error=errors.__setitem__)  # fmt: skip
+            for i in sorted(errors):
+                print(f"tformer translate: line {done + i + 1}: {errors[i]}", file=sys.stderr)
+            for line in outputs:
                 sys.stdout.write(line.replace("\n", " ") + "\n")
             sys.stdout.flush()
-            done += len(chunk)
+            done, failed = done + len(chunk), failed + len(errors)
         return 1 if failed else 0
 
     return _errors("translate", run)

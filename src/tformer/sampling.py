@@ -31,6 +31,8 @@ Shape legend: B batch, P padded prompt length, N generated tokens so far, V voca
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +54,9 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     if not greedy and not temperature > 0:
         raise ValueError(f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
                          f"(greedy=True, --greedy); got {temperature}")  # fmt: skip
+    if not greedy and not math.isfinite(temperature):  # T = inf would ignore the model: every token equally likely
+        raise ValueError(f"temperature (--temperature) must be a finite number > 0 (T = inf samples uniformly, "
+                         f"ignoring the model); got {temperature}")  # fmt: skip
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k (--top-k) must be an integer >= 1 (or None / left out: no limit); got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -66,8 +71,8 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     overflowing ``z / T`` to ``+inf`` and the softmax to ``inf - inf = NaN``. A ``T`` too small for the logits'
     dtype (it would round to 0, and ``0 / 0`` is NaN) is applied in float64.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0; got {temperature}")
     if temperature == 1.0:
         return logits
     if temperature < torch.finfo(logits.dtype).tiny:
@@ -117,6 +122,10 @@ def filter_logits(
     return logits
 
 
+NAN_LOGITS = ("the model produced NaN (or infinite) logits, so there is no distribution to sample from; the "
+              "checkpoint has probably diverged (look at its training loss) or its weights are corrupted")  # fmt: skip
+
+
 def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) -> Tensor:
     """Draw one token per row ``y_b ~ softmax(logits_b)``: ``(B, V) -> (B,)``.
 
@@ -136,10 +145,17 @@ def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) 
     except RuntimeError as err:
         if not bool(probs.isnan().any()):
             raise
-        raise ValueError(
-            "the model produced NaN (or infinite) logits, so there is no distribution to sample from; the "
-            "checkpoint has probably diverged (look at its training loss) or its weights are corrupted"
-        ) from err
+        raise ValueError(NAN_LOGITS) from err
+
+
+def check_finite_logits(logits: Tensor) -> Tensor:
+    """``logits`` unchanged, or ``ValueError`` (:data:`NAN_LOGITS`) if any is NaN or infinite.
+
+    One host sync: decoders call it once, on the first step's logits (a model with a NaN weight gives NaN
+    there), not on every step of the decode loop."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(NAN_LOGITS)
+    return logits
 
 
 @dataclass(frozen=True)
@@ -269,13 +285,31 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
     return prompts
 
 
-def _generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; the signed range is the one every device accepts
+
+
+def row_seeds(seed: int | Sequence[int] | None, batch: int) -> list[int] | None:
+    """The seed of each of ``batch`` rows: ``seed + b`` for an int, the list itself for a list, ``None`` for
+    ``None``. Raises ``ValueError`` (naming ``--seed``) unless every row's seed is an integer in
+    ``[0, MAX_SEED]``."""
     if seed is None:
         return None
-    seeds = [seed + i for i in range(batch)] if isinstance(seed, int) else [int(s) for s in seed]
+    one = not isinstance(seed, Sequence)
+    try:
+        seeds = [operator.index(seed) + b for b in range(batch)] if one else [operator.index(s) for s in seed]
+    except TypeError as err:
+        raise ValueError(f"seed (--seed) must be an integer or a list of integers; got {seed!r}") from err
     if len(seeds) != batch:
         raise ValueError(f"seed: give one int, or one seed per prompt ({batch}); got {len(seeds)}")
-    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    for b, s in enumerate(seeds):
+        if not 0 <= s <= MAX_SEED:
+            row = f" (row {b} of the batch draws with seed + {b})" if one and b else ""
+            raise ValueError(f"seed (--seed) must be an integer in [0, 2**63 - 1 = {MAX_SEED}]{row}; got {s}")
+    return seeds
+
+
+def _generators(seeds: list[int] | None, device: torch.device) -> list[torch.Generator] | None:
+    return None if seeds is None else [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,8 +354,9 @@ def generate(
             can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
             returned lists.
 
-    Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings, or (when
-    sampling) NaN logits from the model.
+    Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings or seeds, or
+    NaN (or infinite) logits from the model: checked once on the prompt's logits (a model with a NaN weight
+    gives them there), and, when sampling, at every draw at no extra cost.
     """
     cfg = model.cfg
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -332,12 +367,13 @@ def generate(
         raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
     stopper = Stopper(stop, eos_id, tokenizer)
     B = len(prompts)
+    seeds = row_seeds(seed, B)
     outputs: list[list[int]] = [[] for _ in range(B)]
     if max_new_tokens == 0:
         return outputs
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, cfg.pad_id or 0, device)
-    rule = SamplingRule(temperature, top_k, top_p, greedy, _generators(seed, B, device))
+    rule = SamplingRule(temperature, top_k, top_p, greedy, _generators(seeds, device))
     was_training = model.training
     model.eval()
     try:
@@ -353,7 +389,7 @@ def generate(
 
 def _decode_block(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int) -> Tensor:
     """``max_new_tokens`` steps for every row; returns the new tokens ``(B, N)``."""
-    logits = lm.prefill()
+    logits = check_finite_logits(lm.prefill())
     for n in range(max_new_tokens):
         token = rule.pick(logits)  # (B,)
         if n < max_new_tokens - 1:
@@ -370,7 +406,7 @@ def _decode_rows(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int, sto
     and to ``on_token`` once no stop can claim them."""
     B = lm.ids.shape[0]
     done, shown = [False] * B, [0] * B  # shown: tokens of the row already passed to on_token
-    logits = lm.prefill()
+    logits = check_finite_logits(lm.prefill())
     for n in range(max_new_tokens):
         token = rule.pick(logits)  # (B,)
         last = n == max_new_tokens - 1

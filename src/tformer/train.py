@@ -23,7 +23,9 @@ gradients over ranks, so the update equals the one-process update up to floating
 
 Files under ``OUT``: ``checkpoints/step-N/`` (see :mod:`tformer.checkpoint`), ``metrics.jsonl`` (one JSON
 record per log or evaluation event), ``loss.png`` (written at the end and on interruption), ``.lock`` (held by the
-run writing to ``OUT``, so that a second one fails at once instead of clobbering it).
+run writing to ``OUT``, so that a second one fails at once instead of clobbering it). Settings are all checked
+before ``OUT`` is created; a run that still fails before it logs a step (data too short for ``block_size``,
+Ctrl-C while tokenizing) removes the ``OUT`` it created, and nothing else.
 
 Divergence. The losses are read back from the device once per log interval (and before each checkpoint); a loss
 that is not finite stops the run with :class:`TrainingError` before a checkpoint of the broken weights is written.
@@ -36,7 +38,10 @@ import dataclasses
 import json
 import math
 import os
+import re
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -61,19 +66,20 @@ from tformer.checkpoint import (
 )
 from tformer.config import TransformerConfig
 from tformer.data import (
+    CorpusScan,
     LMBatches,
     Seq2SeqBatches,
-    corpus_files,
     default_cache_dir,
     evaluation_batches,
     files_fingerprint,
     iter_texts,
+    scan_corpus,
     split_pairs,
     tokenize_corpus,
 )
-from tformer.generate import greedy_seq2seq
 from tformer.plots import plot_loss, read_metrics
 from tformer.runtime import (
+    LOCK_FILE,
     StopFlag,
     TrainingError,
     World,
@@ -85,6 +91,7 @@ from tformer.runtime import (
     set_rng_state,
     triton_interpreter,
 )
+from tformer.seq2seq import greedy_seq2seq
 from tformer.tasks import TASKS, SequenceTask, check_pairs_file, load_pairs
 from tformer.tokenization import SEQ2SEQ_SPECIALS, CharTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
@@ -97,6 +104,59 @@ SEQ2SEQ_MODEL = dict(d_model=128, num_heads=4, num_layers=2, d_ff=512, dropout=0
 # Settings that define the model and its data: a resumed run must keep them.
 STRUCTURAL = ("data", "task", "pairs", "tokenizer", "vocab_size", "unknown", "val_fraction", "model", "block_size",
               "task_min_len", "task_max_len", "task_held_out", "batch_size", "seed")  # fmt: skip
+# TrainConfig fields that `tformer train` has no flag for (the Python API sets them); any other field is --field-name.
+NO_FLAG = ("model", "betas", "task_min_len", "task_held_out", "progress")
+# TransformerConfig field -> the `tformer train` flag that sets it (in error messages)
+MODEL_FLAGS = {"d_model": "--d-model", "num_layers": "--layers", "num_heads": "--heads", "num_kv_heads": "--kv-heads",
+               "d_ff": "--d-ff", "dropout": "--dropout", "position": "--position", "activation": "--activation",
+               "norm_first": "--norm", "attn_backend": "--attn-backend"}  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _or_none(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+# The type of every TrainConfig field: (check, what it must be). Checked first by validate(), and on the train_config
+# of a checkpoint before --resume builds on it (a hand-edited manifest must not end in a TypeError deep inside).
+FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "out": (_is_str, "a path"),
+    **dict.fromkeys(("data", "pairs", "cache_dir"), (_or_none(_is_str), "a path")),
+    "task": (_or_none(_is_str), "a task name"),
+    **dict.fromkeys(("tokenizer", "unknown", "dtype", "device"), (_is_str, "a string")),
+    "model": (lambda value: isinstance(value, dict), "a dict of TransformerConfig fields"),
+    **dict.fromkeys(("vocab_size", "block_size", "task_min_len", "task_max_len", "task_held_out", "steps", "batch_size",
+                     "grad_accum", "warmup", "eval_every", "eval_batches", "save_every", "keep", "log_every", "seed"),
+                    (_is_int, "an integer")),
+    "stop_after": (_or_none(_is_int), "an integer"),
+    **dict.fromkeys(("val_fraction", "lr", "min_lr", "weight_decay", "grad_clip", "label_smoothing"),
+                    (_is_number, "a number")),
+    "betas": (lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(map(_is_number, v)), "two numbers"),
+    **dict.fromkeys(("compile", "resume", "progress"), (lambda value: isinstance(value, bool), "true or false")),
+}  # fmt: skip
+
+
+def flag_of(name: str) -> str:
+    """``" (--name)"``: the flag of the TrainConfig field ``name``, for error messages; ``""`` if it has none."""
+    return "" if name in NO_FLAG else f" (--{name.replace('_', '-')})"
+
+
+def field_type_error(name: str, value: Any) -> str | None:
+    """What is wrong with the type of ``value`` for the TrainConfig field ``name`` (``None``: nothing, or not a
+    field), e.g. ``"betas must be two numbers; got 5"``."""
+    check, expected = FIELD_TYPES.get(name, (lambda value: True, ""))
+    return None if check(value) else f"{name} must be {expected}{flag_of(name)}; got {value!r}"
 
 
 @dataclass
@@ -152,14 +212,20 @@ class TrainConfig:
         for name in ("data", "pairs", "cache_dir"):  # absolute, so that --resume works from any directory
             if isinstance(getattr(self, name), str):
                 setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
-        self.betas = tuple(self.betas)
+        if isinstance(self.betas, list):  # JSON has no tuples
+            self.betas = tuple(self.betas)
 
     @property
     def kind(self) -> Literal["lm", "seq2seq"]:
         return "lm" if self.task is None and self.pairs is None else "seq2seq"
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad setting and what would be valid."""
+        """Raise ``ValueError`` naming the bad setting, its flag and what would be valid: every setting, the model's
+        included, is checked here, before any run directory is created or any data is read."""
+        for f in dataclasses.fields(self):
+            problem = field_type_error(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(problem)
         sources = [name for name in ("data", "task", "pairs") if getattr(self, name) is not None]
         if len(sources) > 1:
             raise ValueError(f"give one of data, task, pairs (--data/--task/--pairs); got {sources}")
@@ -168,8 +234,13 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "block_size", "eval_batches", "log_every", "keep",
                      "task_held_out"):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer (--{name.replace('_', '-')}); got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer{flag_of(name)}; got {value!r}")
+        if not 0 <= self.seed < 2**63:  # numpy's and torch's seeds are unsigned 64-bit; 2**63 keeps it an int64
+            raise ValueError(f"seed must be an integer in [0, 2**63) (--seed); got {self.seed}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} must divide evenly into grad_accum={self.grad_accum} "
+                             "micro-batches (--batch-size, --grad-accum)")  # fmt: skip
         for name in ("warmup", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (--{name.replace('_', '-')}; 0 turns it off); got "
@@ -193,6 +264,8 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1) (--val-fraction); got {self.val_fraction}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1) (--label-smoothing); got {self.label_smoothing}")
+        if self.task is not None:  # its lengths (the same check as when the task is built for training)
+            SequenceTask(self.task, min_len=self.task_min_len, max_len=self.task_max_len)
         device = resolve_device(self.device)
         if self.model.get("attn_backend") == "triton" and device.type != "cuda" and not triton_interpreter():
             raise ValueError(f"attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is on "
@@ -206,12 +279,26 @@ class TrainConfig:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16'; got {self.dtype!r}")
         if self.tokenizer not in ("byte", "char", "bpe"):
             raise ValueError(f"tokenizer must be 'byte', 'char' or 'bpe'; got {self.tokenizer!r}")
+        if self.unknown not in ("unk", "skip", "error"):
+            raise ValueError(f"unknown must be 'unk', 'skip' or 'error' (--unknown); got {self.unknown!r}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be in [1, steps={self.steps}]; got {self.stop_after}")
+        self.check_model()
+
+    def check_model(self) -> None:
+        """``ValueError`` naming the flags, if ``model`` cannot make a :class:`TransformerConfig` of this run (built
+        with a placeholder vocabulary: the tokenizer's size is known only after reading the data)."""
         bad = sorted(set(self.model) - {f.name for f in dataclasses.fields(TransformerConfig)})
         if bad or {"vocab_size", "pad_id"} & set(self.model):
             raise ValueError(f"model overrides {bad or ['vocab_size/pad_id']} are not settable TransformerConfig "
                              "fields (vocab_size and pad_id come from the tokenizer)")  # fmt: skip
+        try:
+            _model_config(self, vocab_size=256, pad_id=None)
+        except TypeError as err:  # e.g. a dropout that is a string
+            raise ValueError(f"model {self.model} does not make a TransformerConfig: {err}") from None
+        except ValueError as err:
+            flags = [flag for name, flag in MODEL_FLAGS.items() if re.search(rf"\b{name}\b", str(err))]
+            raise ValueError(f"{err} ({', '.join(flags)})" if flags else str(err)) from None
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
@@ -223,7 +310,7 @@ class TrainConfig:
 
 
 def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return _is_number(value) and math.isfinite(value)
 
 
 @dataclass
@@ -330,9 +417,10 @@ def _cached_tokenizer(cfg: TrainConfig, files: list[Path]) -> Tokenizer:
     return tokenizer
 
 
-def _prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None) -> _Data:
+def _prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path]) -> _Data:
+    """The tokenizer (``tokenizer``, or built from the data), batches and held-out set of a run; ``files``: the
+    text files of an LM corpus (:func:`tformer.data.scan_corpus`)."""
     if cfg.kind == "lm":
-        files = corpus_files(cfg.data)
         if tokenizer is None:
             tokenizer = build_tokenizer("byte") if cfg.tokenizer == "byte" else _cached_tokenizer(cfg, files)
         corpus = tokenize_corpus(files, tokenizer, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
@@ -368,9 +456,13 @@ def _prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None) -> _Data:
 
 def model_config(cfg: TrainConfig, tokenizer: Tokenizer, max_len: int = 0) -> TransformerConfig:
     """The kind's default model, ``cfg.model`` overrides, vocabulary and padding from the tokenizer."""
+    return _model_config(cfg, tokenizer.vocab_size, tokenizer.pad_id, max_len)
+
+
+def _model_config(cfg: TrainConfig, vocab_size: int, pad_id: int | None, max_len: int = 0) -> TransformerConfig:
     base = dict(LM_MODEL if cfg.kind == "lm" else SEQ2SEQ_MODEL)
     base["max_seq_len"] = cfg.block_size if cfg.kind == "lm" else max(64, max_len)
-    merged = {**base, **cfg.model, "vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id}
+    merged = {**base, **cfg.model, "vocab_size": vocab_size, "pad_id": pad_id}
     config = TransformerConfig(**merged)
     needed = cfg.block_size if cfg.kind == "lm" else max_len
     if config.position == "learned" and config.max_seq_len < needed:
@@ -416,8 +508,11 @@ def _check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
     for name in ("data", "pairs"):  # runs saved before paths were made absolute
         if isinstance(saved.get(name), str):
             saved[name] = os.path.abspath(saved[name])
-    diffs = [f"{k}: saved {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in STRUCTURAL
-             if saved.get(k) != getattr(cfg, k)]  # fmt: skip
+    now = {k: getattr(cfg, k) for k in STRUCTURAL}
+    for settings in (saved, now):  # the attention backend does not change the weights: every backend is exact
+        if isinstance(settings.get("model"), dict):
+            settings["model"] = {k: v for k, v in settings["model"].items() if k != "attn_backend"}
+    diffs = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in STRUCTURAL if saved.get(k) != now[k]]
     if diffs:
         raise ValueError(f"cannot resume {ckpt.path}: these settings differ from the saved run: {'; '.join(diffs)}")
     if ckpt.step >= cfg.steps:
@@ -480,14 +575,17 @@ def train(cfg: TrainConfig) -> TrainResult:
     or run directories that cannot work (before training), and :class:`TrainingError` when the loss diverges or
     another run is writing to ``cfg.out``.
     """
-    cfg.validate()
-    if cfg.data is not None and not Path(cfg.data).exists():  # before OUT is created for the lock
-        raise FileNotFoundError(f"data path {cfg.data} does not exist; pass a text file or a folder of text files")
+    cfg.validate()  # everything that can be checked before OUT is created for the lock
+    scan = scan_corpus(cfg.data) if cfg.kind == "lm" else None  # the corpus's text files (a folder with none fails)
     if cfg.pairs is not None:
         check_pairs_file(cfg.pairs)
     world = init_world(cfg.device)
     try:
+        if cfg.batch_size % (world.size * cfg.grad_accum):
+            raise ValueError(f"batch_size={cfg.batch_size} must divide evenly into {world.size} processes x "
+                             f"grad_accum={cfg.grad_accum} micro-batches (--batch-size, --grad-accum)")  # fmt: skip
         device = _device(cfg, world)
+        created = _missing_folders(Path(cfg.out))  # what the lock is about to create, removed if the run fails early
         with contextlib.ExitStack() as stack:
             locked: TrainingError | None = None
             if world.main:  # rank 0 writes OUT, so rank 0 holds the lock; every rank learns whether it got it
@@ -497,26 +595,56 @@ def train(cfg: TrainConfig) -> TrainResult:
                     locked = err
             if not all_ranks_agree(world, device, locked is None):
                 raise locked or TrainingError(f"rank 0 could not lock {cfg.out}; another run is writing there")
-            return _train(cfg, world, device)
+            try:
+                return _train(cfg, world, device, scan)
+            except BaseException:  # also Ctrl-C during tokenization: the lock is still held here
+                if world.main and created:
+                    _remove_unused_run_folder(created)
+                raise
     finally:
         if world.owns_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, world: World, device: torch.device) -> TrainResult:
+def _missing_folders(out: Path) -> list[Path]:
+    """``out`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    for folder in (out.absolute(), *out.absolute().parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
+
+
+def _remove_unused_run_folder(created: list[Path]) -> None:
+    """After a run failed: remove the folders it created (``created``, deepest first: OUT and the parents it
+    made), but only while OUT holds nothing but the run's own ``.lock`` and an empty ``metrics.jsonl`` (once
+    training has logged a step, the metrics and the loss plot tell what happened, and they are kept)."""
+    out = created[0]
+    entries = list(out.iterdir()) if out.is_dir() else []
+    if any(p.name not in (LOCK_FILE, "metrics.jsonl") or not p.is_file() for p in entries):
+        return
+    if any(p.name == "metrics.jsonl" and p.stat().st_size > 0 for p in entries):
+        return
+    for p in entries:
+        p.unlink()
+    for folder in created:
+        try:
+            folder.rmdir()  # only an empty folder: anything another process put there meanwhile stays
+        except OSError:
+            return
+
+
+def _train(cfg: TrainConfig, world: World, device: torch.device, scan: CorpusScan | None) -> TrainResult:
     out = Path(cfg.out)
-    micro_total = world.size * cfg.grad_accum
-    if cfg.batch_size % micro_total:
-        raise ValueError(f"batch_size={cfg.batch_size} must divide evenly into {world.size} processes x "
-                         f"grad_accum={cfg.grad_accum} micro-batches")  # fmt: skip
-    micro_rows = cfg.batch_size // micro_total
+    micro_rows = cfg.batch_size // (world.size * cfg.grad_accum)
 
     ckpt = None
     if cfg.resume:
         if find_latest(out) is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'}; train without --resume first")
-        try:
-            ckpt = load_checkpoint(out, with_state=True)
+        try:  # on this run's attention backend: all are exact, so a run may continue on another one
+            ckpt = load_checkpoint(out, with_state=True, attn_backend=cfg.model.get("attn_backend", "auto"))
         except CheckpointError as err:
             raise damaged_checkpoint_error(out, err) from None
         _check_resumable(cfg, ckpt)
@@ -524,9 +652,14 @@ def _train(cfg: TrainConfig, world: World, device: torch.device) -> TrainResult:
         raise FileExistsError(f"{out} already holds checkpoints (latest {find_latest(out).name}); pass --resume to "
                               "continue that run, or choose another --out")  # fmt: skip
 
+    end = cfg.stop_after if cfg.stop_after is not None else cfg.steps
+    if ckpt is not None and end <= ckpt.step:
+        raise ValueError(f"stop_after={end} is not after the checkpoint's step {ckpt.step}; nothing to train")
+    if world.main and scan is not None and scan.skipped():
+        print(f"data: skipped {scan.skipped()} under {cfg.data}", file=sys.stderr)
     for turn in (True, False):  # rank 0 builds the tokenizer and token caches first; the others then read them
         if world.main == turn:
-            data = _prepare_data(cfg, ckpt.tokenizer if ckpt else None)
+            data = _prepare_data(cfg, ckpt.tokenizer if ckpt else None, scan.files if scan else [])
         world.barrier()
     tokenizer = data.tokenizer
     config = model_config(cfg, tokenizer, data.max_len)
@@ -595,9 +728,6 @@ def _train(cfg: TrainConfig, world: World, device: torch.device) -> TrainResult:
     val_losses: dict[int, float] = {}
     pending: list[Tensor] = []  # per-step loss sums not yet read back (avoids a device sync every step)
     pad_id = tokenizer.pad_id
-    end = cfg.stop_after if cfg.stop_after is not None else cfg.steps
-    if end <= start:
-        raise ValueError(f"stop_after={end} is not after the checkpoint's step {start}; nothing to train")
     bar = _progress_bar(cfg, world, start, n_params)
     t0 = time.perf_counter()
     window_start, window_tokens = t0, 0

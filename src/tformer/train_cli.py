@@ -9,6 +9,7 @@ three minutes, then its validation loss, a sample and the loss plot.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -17,8 +18,17 @@ import time
 from pathlib import Path
 from typing import Any, get_args
 
-from tformer.checkpoint import CHECKPOINTS_DIR, CheckpointError, find_latest, load_checkpoint, read_manifest
+from tformer.checkpoint import (
+    CHECKPOINTS_DIR,
+    MANIFEST,
+    CheckpointError,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+)
 from tformer.config import Activation, AttnBackend, Position
+from tformer.runtime import LOCK_FILE
 
 # flag -> TransformerConfig field (model size and shape)
 MODEL_FLAGS = {"d_model": "d_model", "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
@@ -94,6 +104,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("--eval-every", type=int, default=S, help="steps between validation losses (default 250)")
     g.add_argument("--eval-batches", type=int, default=S, help="LM validation batches (default 20)")
     g.add_argument("--save-every", type=int, default=S, help="steps between checkpoints (default 500)")
+    g.add_argument("--keep", type=int, default=S, help="newest checkpoints kept, older ones deleted (default 2)")
     g.add_argument("--log-every", type=int, default=S, help="steps between progress/metrics updates (default 10)")
     g.add_argument("--val-fraction", type=float, default=S, help="held-out share of the data (default 0.1)")
     g.add_argument("--task-max-len", type=int, default=S, help="task: longest source (add: digits; default 16)")
@@ -114,6 +125,7 @@ def add_cli(subparsers) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`TrainConfig` the flags describe; with ``--resume`` the saved run's, updated by the flags."""
+    from tformer.runtime import resolve_device, triton_interpreter
     from tformer.train import TrainConfig, damaged_checkpoint_error
 
     given: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("func", "command", "no_progress")}
@@ -134,10 +146,32 @@ def config_from_args(args: argparse.Namespace):
         if {"data", "task", "pairs"} & set(given):  # a new data source replaces the saved one (then checked)
             for source in ("data", "task", "pairs"):
                 base.pop(source, None)
+        _check_saved_config(base, set(given), latest / MANIFEST)
+        saved_model = base.get("model", {})
+        if saved_model.get("attn_backend") == "triton" and "attn_backend" not in model:
+            device = resolve_device(given.get("device", base.get("device", "auto")))
+            if device.type != "cuda" and not triton_interpreter():  # as load_checkpoint does: all backends are exact
+                model["attn_backend"] = "auto"
     merged = {**base, **given, "model": {**base.get("model", {}), **model}, "progress": not args.no_progress}
     cfg = TrainConfig.from_dict(merged)
     _reject_flags_that_do_not_apply(cfg, set(given))
     return cfg
+
+
+def _check_saved_config(saved: dict[str, Any], given: set[str], manifest: Path) -> None:
+    """``CheckpointError`` naming the manifest and the field, for a saved ``train_config`` value that cannot be
+    right (a hand-edited or damaged manifest): a wrong type, or a model that cannot be built. Values the command
+    line replaces are not looked at."""
+    from tformer.train import TrainConfig, field_type_error
+
+    for name, value in saved.items():
+        problem = None if name in given else field_type_error(name, value)
+        if problem:
+            raise CheckpointError(f"{manifest}: malformed train_config: {problem}")
+    try:  # the saved model on its own, as when it was saved (model flags given now are checked with the run)
+        TrainConfig.from_dict({**saved, "out": "."}).check_model()
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{manifest}: malformed train_config: model: {err}") from None
 
 
 def _reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
@@ -204,12 +238,25 @@ DEMO_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0)
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
     """Prompt + ``max_new_tokens`` sampled tokens, decoded: one call of :func:`tformer.sampling.generate` (key/value
     cache; a model with learned positions sees a sliding window of its last ``max_seq_len`` tokens). An empty
-    prompt starts from token 0. Deterministic for a given ``seed``."""
+    prompt samples the start of a new document: the model is conditioned on the document separator of the
+    training corpus (``tformer.data.DOC_SEPARATOR``), which is not part of the returned text. Deterministic for
+    a given ``seed``."""
+    from tformer.data import DOC_SEPARATOR
     from tformer.sampling import generate
 
-    ids = tokenizer.encode(prompt) or [0]
-    return tokenizer.decode(ids + generate(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature,
-                                           seed=seed)[0])  # fmt: skip
+    if prompt:
+        ids = tokenizer.encode(prompt)
+        return tokenizer.decode(ids + generate(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature,
+                                               seed=seed)[0])  # fmt: skip
+    try:  # an empty prompt: the start of a document, after the separator that precedes one in the corpus
+        start = tokenizer.encode(DOC_SEPARATOR)
+    except ValueError:
+        start = []
+    if not start:  # a char tokenizer built from a corpus without line breaks
+        raise ValueError("the prompt is empty, and this tokenizer has no line break to start a document from; "
+                         "give a non-empty --prompt")  # fmt: skip
+    return tokenizer.decode(generate(model, [start], max_new_tokens=max_new_tokens, temperature=temperature,
+                                     seed=seed)[0])  # fmt: skip
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -223,6 +270,42 @@ def _run_demo(args: argparse.Namespace) -> int:
     except TrainingError as err:
         print(f"tformer train-demo: error: {err}", file=sys.stderr)
         return 1
+
+
+# The settings that make a run a train-demo run (its length, --steps, may differ).
+DEMO_IDENTITY = ("data", "task", "pairs", "tokenizer", "model", "block_size", "val_fraction", "seed", "batch_size",
+                 "grad_accum", "lr", "min_lr", "eval_every", "eval_batches", "save_every", "log_every")  # fmt: skip
+RUN_FILES = (LOCK_FILE, "metrics.jsonl", "loss.png", CHECKPOINTS_DIR)  # what a run writes into OUT
+
+
+def _check_demo_may_replace(out: Path, cfg) -> None:
+    """``ValueError`` unless the existing folder ``out`` is empty or holds an earlier train-demo run: every
+    checkpoint's manifest says ``kind`` "lm" and the demo's settings (``DEMO_IDENTITY``); without checkpoints, only
+    the leftovers of a run that never saved one (``RUN_FILES``). The demo deletes nothing of any other run."""
+    found = list_checkpoints(out / CHECKPOINTS_DIR)
+    if not found:
+        others = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES)
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise ValueError(f"--out {out} is not empty and holds no train-demo run ({len(others)} other "
+                             f"{'entry' if len(others) == 1 else 'entries'}: {shown}); choose another --out or delete "
+                             "it")  # fmt: skip
+        return
+    mine = cfg.to_dict()
+    for checkpoint in found:
+        try:
+            manifest = json.loads((checkpoint / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            manifest = None
+        if not isinstance(manifest, dict):
+            manifest = {}
+        saved = manifest.get("train_config")
+        if not (manifest.get("kind") == "lm" and isinstance(saved, dict)
+                and all(saved.get(k) == mine[k] for k in DEMO_IDENTITY)):  # fmt: skip
+            kind = manifest.get("kind", "unknown")
+            raise ValueError(f"--out {out} holds another run (kind {kind!r}, {len(found)} checkpoint"
+                             f"{'s' if len(found) != 1 else ''}); train-demo only replaces its own runs: choose "
+                             "another --out or delete it")  # fmt: skip
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -239,12 +322,15 @@ def _demo(args: argparse.Namespace) -> int:
     settings = {**DEMO, "steps": args.steps, "warmup": min(DEMO["warmup"], max(1, args.steps // 10))}
     cfg = TrainConfig(out=str(out), model=dict(DEMO_MODEL), progress=not args.no_progress, **settings)
     cfg.validate()
-    with run_lock(out):  # fails at once if another run is writing there; train() takes the lock again
-        for stale in (out / CHECKPOINTS_DIR, out / "metrics.jsonl", out / "loss.png"):  # the demo starts afresh
-            if stale.is_dir():
-                shutil.rmtree(stale)
-            elif stale.exists():
-                stale.unlink()
+    if out.exists():  # (a missing OUT is left to train(), which removes it again if the run fails early)
+        _check_demo_may_replace(out, cfg)  # before the lock, whose .lock file would stay in a folder that is not ours
+        with run_lock(out):  # fails at once if another run is writing there; train() takes the lock again
+            _check_demo_may_replace(out, cfg)  # again: the folder is ours only now
+            for stale in (out / CHECKPOINTS_DIR, out / "metrics.jsonl", out / "loss.png"):  # the demo starts afresh
+                if stale.is_dir():
+                    shutil.rmtree(stale)
+                elif stale.exists():
+                    stale.unlink()
     print(
         f"training a {DEMO_MODEL['num_layers']}-layer GPT (d_model {DEMO_MODEL['d_model']}, "
         f"context {cfg.block_size} bytes) on the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves"

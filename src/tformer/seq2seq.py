@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tformer.models import EncoderDecoder
+from tformer.sampling import check_finite_logits
 
 
 def _check_decode_args(model: EncoderDecoder, max_new_tokens: int, bos_id: int, eos_id: int) -> None:
@@ -50,7 +51,8 @@ def greedy_seq2seq(
     max_new_tokens: int,
 ) -> list[list[int]]:
     """Greedy decoding of a batch ``src (B, S)``: ``y_t = argmax_y p(y | y_<t, X)`` until EOS or
-    ``max_new_tokens``. Returns each output without BOS and EOS."""
+    ``max_new_tokens``. Returns each output without BOS and EOS. NaN (or infinite) logits at the first step
+    (a diverged model) raise ``ValueError``."""
     _check_decode_args(model, max_new_tokens, bos_id, eos_id)
     memory = model.encode(src, src_mask)  # (B, S, C)
     cache = model.new_cache()
@@ -60,8 +62,10 @@ def greedy_seq2seq(
     outputs = torch.empty(batch, max_new_tokens, dtype=torch.long, device=src.device)
     length = 0
     for step in range(max_new_tokens):
-        logits = model.decode(token, memory, src_mask, cache=cache)  # (B, 1, V)
-        token = logits[:, -1].argmax(-1, keepdim=True).masked_fill(done[:, None], eos_id)  # (B, 1)
+        logits = model.decode(token, memory, src_mask, cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
+        if step == 0:  # once per call: a model with a NaN weight gives NaN here
+            check_finite_logits(logits)
+        token = logits.argmax(-1, keepdim=True).masked_fill(done[:, None], eos_id)  # (B, 1)
         outputs[:, step] = token[:, 0]
         length = step + 1
         done |= token[:, 0] == eos_id
@@ -104,6 +108,9 @@ def beam_search(
     (bound: log-probabilities only fall as tokens are added, so a live beam scores at most
     ``log P / max(lp(t + 1), lp(max_new_tokens))``). At ``max_new_tokens`` the live beams are complete too.
     ``beam_size=1`` with ``length_penalty=0`` is greedy decoding.
+
+    NaN (or infinite) logits at the first step (a diverged model) raise ``ValueError``. Should NaN appear only
+    later and leave a source no hypothesis of finite score, its first live beam is returned.
     """
     _check_decode_args(model, max_new_tokens, bos_id, eos_id)
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
@@ -126,6 +133,8 @@ def beam_search(
     final_lp = gnmt_length_penalty(max_new_tokens, length_penalty)
     for step in range(1, max_new_tokens + 1):
         logits = model.decode(tokens, memory, memory_mask, cache=cache)[:, -1]  # (B*K, V)
+        if step == 1:  # once per call: a model with a NaN weight gives NaN here
+            check_finite_logits(logits)
         candidates = scores.view(B * K, 1) + torch.log_softmax(logits.double(), dim=-1)  # (B*K, V)
         top, index = candidates.view(B, K * V).topk(min(2 * K, K * V), dim=1)  # (B, 2K), best first
         beam, token = index // V, index % V  # which beam each candidate extends, with which token
@@ -159,4 +168,6 @@ def beam_search(
             for k in range(K):
                 if torch.isfinite(scores[b, k]):
                     _keep_best(complete[b], float(scores[b, k]) / final_lp, history[b * K + k].tolist(), K)
-    return [hypotheses[0][1] for hypotheses in complete]
+    # none complete only when no live beam has a finite score (the model went NaN after the first step): then
+    # every beam is as good as another, and beam 0 is returned rather than failing
+    return [hyps[0][1] if hyps else history[b * K].tolist() for b, hyps in enumerate(complete)]

@@ -1,4 +1,5 @@
-"""Seq2seq decoding (greedy, beam search against exhaustive search) and the ``sample``/``translate`` CLI."""
+"""Seq2seq decoding (:mod:`tformer.seq2seq`: greedy, beam search against exhaustive search) and the
+``sample``/``translate`` CLI."""
 
 import io
 import itertools
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from tformer import DecoderLM, EncoderDecoder, TransformerConfig
-from tformer.checkpoint import load_checkpoint, save_checkpoint
+from tformer.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from tformer.cli import main
-from tformer.generate import beam_search, gnmt_length_penalty, greedy_seq2seq
 from tformer.sample_cli import DEFAULT_NEW_TOKENS, TextStream, sample_to, translate_lines
 from tformer.sampling import generate
+from tformer.seq2seq import beam_search, gnmt_length_penalty, greedy_seq2seq
 from tformer.tokenization import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 from tformer.train_cli import sample_text
 
@@ -209,6 +210,33 @@ def test_learned_positions_bound_the_output_length():
         greedy_seq2seq(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=9)
 
 
+def test_nan_model_raises_a_clear_error_in_greedy_and_beam_search():
+    model = _seq2seq()
+    with torch.no_grad():
+        model.decoder.stack.blocks[0].ff.up.weight[0, 0] = float("nan")  # a diverged checkpoint
+    src, mask = _sources([3, 5], vocab=32)
+    with pytest.raises(ValueError, match="NaN .*logits.*diverged"):
+        greedy_seq2seq(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=5)
+    for beam_size in (1, 3):
+        with pytest.raises(ValueError, match="NaN .*logits.*diverged"):
+            beam_search(model, src, mask, beam_size=beam_size, bos_id=1, eos_id=2, max_new_tokens=5)
+
+
+def test_beam_search_without_a_finite_complete_hypothesis_returns_the_best_live_beam():
+    """NaN only from the second step on (the decoder's position 1), and EOS the least likely first token: no
+    hypothesis ever completes with a finite score, so each source falls back to a live beam (every score is
+    NaN by then, so which one is arbitrary) instead of failing with an IndexError."""
+    model = _seq2seq(position="learned", max_seq_len=8)
+    src, mask = _sources([3, 5], vocab=32)
+    with torch.no_grad():
+        first = model.decode(torch.ones(2, 1, dtype=torch.long), model.encode(src, mask), mask)[:, -1]  # (B, V)
+        model.decoder.embed.positions.table.weight[1] = float("nan")
+    eos = int(first.sum(dim=0).argmin())  # far from the top 2 of either source
+    assert all(eos not in row.topk(4).indices for row in first)
+    out = beam_search(model, src, mask, beam_size=2, length_penalty=0.0, bos_id=1, eos_id=eos, max_new_tokens=2)
+    assert len(out) == 2 and all(len(row) == 2 and min(row) >= 0 and max(row) < 32 for row in out)
+
+
 # --------------------------------------------------------------------------------------------------
 # The CLI on tiny checkpoints
 # --------------------------------------------------------------------------------------------------
@@ -297,7 +325,70 @@ def test_demo_sample_text_is_one_generate_call_past_the_context(lm_run):
     text = sample_text(ckpt.model, tok, "def ", max_new_tokens=90, temperature=0.9, seed=4)
     new = generate(ckpt.model, [tok.encode("def ")], max_new_tokens=90, temperature=0.9, seed=4)[0]
     assert text == "def " + tok.decode(new) and len(text) == 94  # 94 tokens > 40 learned positions
-    assert sample_text(ckpt.model, tok, "", max_new_tokens=5, seed=4).startswith(tok.decode([0]))
+    with pytest.raises(ValueError, match="the prompt is empty.*give a non-empty --prompt"):  # no line break in CHARS
+        sample_text(ckpt.model, tok, "", max_new_tokens=5, seed=4)
+
+
+def test_demo_sample_text_empty_prompt_starts_a_document_and_prints_only_new_text():
+    torch.manual_seed(0)
+    model = _peaky(DecoderLM(TransformerConfig.tiny(vocab_size=256)))
+    tok = ByteTokenizer()
+    text = sample_text(model, tok, "", max_new_tokens=30, temperature=1.0, seed=5)
+    new = generate(model, [tok.encode("\n\n")], max_new_tokens=30, temperature=1.0, seed=5)[0]  # DOC_SEPARATOR
+    assert text == tok.decode(new) and "\x00" not in text.replace(tok.decode(new), "", 1)
+
+
+def test_cli_sample_greedy_nan_checkpoint_is_a_clear_error(tmp_path, capsys):
+    tok = CharTokenizer(CHARS)
+    model = _peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size)))
+    with torch.no_grad():
+        model.decoder.stack.blocks[0].ff.up.weight[0, 0] = float("nan")
+    save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=0, train_config={})
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab", "--greedy"]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and len(printed.err.splitlines()) == 1
+    assert printed.err.startswith("tformer sample: error: the model produced NaN") and "diverged" in printed.err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temperature", "inf"], "temperature (--temperature) must be a finite number > 0"),
+        (["--seed", "-1"], "seed (--seed) must be an integer in [0, 2**63 - 1"),
+        (["--seed", "99999999999999999999"], "seed (--seed) must be an integer in [0, 2**63 - 1"),
+    ],
+)
+def test_cli_sample_bad_temperature_and_seed_are_errors_before_loading(flags, message, tmp_path, capsys):
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab", *flags]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.startswith("tformer sample: error: ") and message in printed.err
+    assert "checkpoint" not in printed.err and printed.out == ""  # tmp_path is no checkpoint: nothing was loaded
+
+
+def test_cli_sample_damaged_latest_checkpoint_names_a_good_older_one(tmp_path, capsys):
+    tok = CharTokenizer(CHARS)
+    model = _peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size)))
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=step, train_config={}, keep=3)
+    root = tmp_path / "checkpoints"
+    for step in (20, 30):  # the newest two are damaged: a truncated weights file, a missing manifest
+        weights = root / f"step-0000{step}" / WEIGHTS
+        weights.write_bytes(weights.read_bytes()[:100])
+    args = ["sample", "--prompt", "ab", "--greedy", "--max-new-tokens", "3"]
+    assert main([*args, "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tformer sample: error: the newest checkpoint {root / 'step-000030'} is damaged (")
+    assert "truncated" in err and err.rstrip().endswith(f"delete it, or pass --checkpoint {root / 'step-000010'}")
+    assert main([*args, "--checkpoint", str(root)]) == 2  # the checkpoints folder itself: the same hint
+    assert f"--checkpoint {root / 'step-000010'}" in capsys.readouterr().err
+    assert main([*args, "--checkpoint", str(root / "step-000030")]) == 2  # a chosen step: no other is offered
+    err = capsys.readouterr().err
+    assert "truncated" in err and "--checkpoint" not in err
+    assert main([*args, "--checkpoint", str(root / "step-000010")]) == 0  # the hint works
+    assert capsys.readouterr().out.startswith("ab")
+    (root / "step-000010" / WEIGHTS).write_bytes(b"")  # no good checkpoint left
+    assert main([*args, "--checkpoint", str(tmp_path)]) == 2
+    assert "no earlier checkpoint of" in capsys.readouterr().err
 
 
 def test_cli_sample_stop_string_ends_the_output(lm_run, capsys):
@@ -348,6 +439,74 @@ def test_cli_translate_bad_line_is_reported_and_the_others_translated(seq2seq_ru
     monkeypatch.setattr(sys, "stdin", io.StringIO("abc\nzyx\n"))
     assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 0  # every line translated: exit code 0
     assert capsys.readouterr().out == f"{good[0]}\n{good[2]}\n"
+
+
+class _Stdin:
+    """A stand-in for ``sys.stdin``: ``buffer`` yields the byte lines, and records how many output lines had been
+    written (to ``out``) when each line was read."""
+
+    def __init__(self, data: bytes, tty: bool, out: io.StringIO | None = None) -> None:
+        self.data, self.tty, self.out, self.seen = data, tty, out, []
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    @property
+    def buffer(self):
+        return self._lines()
+
+    def _lines(self):
+        for line in io.BytesIO(self.data):
+            self.seen.append(None if self.out is None else self.out.getvalue().count("\n"))
+            yield line
+
+
+def test_cli_translate_invalid_utf8_fails_only_its_line(seq2seq_run, capsys, monkeypatch):
+    good = translate_lines(load_checkpoint(seq2seq_run), ["abc", "zyx", "hello"])
+    data = b"abc\n\xe9\xff12\nzyx\r\nab C\nab\xc3\n\nhello"  # no final line end
+    for tty in (False, True):
+        monkeypatch.setattr(sys, "stdin", _Stdin(data, tty))
+        assert main(["translate", "--checkpoint", str(seq2seq_run), "--batch-size", "3"]) == 1
+        printed = capsys.readouterr()
+        assert printed.out.split("\n") == [good[0], "", good[1], "", "", "", good[2], ""]
+        errors = printed.err.splitlines()  # in line order, within a batch too
+        assert len(errors) == 3 and errors[1].startswith("tformer translate: line 4: ") and "'C'" in errors[1]
+        assert errors[0] == "tformer translate: line 2: not valid UTF-8 (byte 0xe9 at offset 0)"
+        assert errors[2] == "tformer translate: line 5: not valid UTF-8 (byte 0xc3 at offset 2)"
+
+
+def test_cli_translate_at_a_terminal_answers_each_line_before_reading_the_next(seq2seq_run, monkeypatch):
+    for tty, expected in ((True, [0, 1, 2]), (False, [0, 0, 0])):
+        out = io.StringIO()
+        stdin = _Stdin(b"abc\nzyx\nhello\n", tty, out)
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(sys, "stdout", out)
+        assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 0
+        assert stdin.seen == expected and out.getvalue().count("\n") == 3
+
+
+def test_cli_translate_without_stdin_is_a_clear_error(seq2seq_run, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)  # `tformer translate <&-`
+    assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.splitlines() == [
+        "tformer translate: error: there is no standard input (stdin is closed); pipe the source lines in, e.g. "
+        "`echo 31415 | tformer translate --checkpoint DIR`"
+    ]
+
+
+@pytest.mark.parametrize("beam_size", ["4", "1"])
+def test_cli_translate_nan_checkpoint_is_a_clear_error(beam_size, tmp_path, capsys, monkeypatch):
+    tok = CharTokenizer(CHARS, SEQ2SEQ_SPECIALS, unknown="error")
+    model = _seq2seq(vocab=tok.vocab_size, dtype=torch.float32, max_seq_len=20)
+    with torch.no_grad():
+        model.encoder.stack.blocks[0].ff.up.weight[0, 0] = float("nan")
+    save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="seq2seq", step=0, train_config={})
+    monkeypatch.setattr(sys, "stdin", _Stdin(b"abc\nzyx\n", tty=False))
+    assert main(["translate", "--checkpoint", str(tmp_path), "--beam-size", beam_size]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and len(printed.err.splitlines()) == 1
+    assert printed.err.startswith("tformer translate: error: the model produced NaN") and "diverged" in printed.err
 
 
 def test_translate_line_longer_than_learned_positions_is_one_failed_line():
