@@ -398,7 +398,7 @@ def test_flags_that_apply_are_accepted():
 def test_every_train_config_field_has_a_type_check():
     from dataclasses import fields
 
-    from tformer.train import FIELD_TYPES
+    from tformer.train_config import FIELD_TYPES
 
     assert sorted(FIELD_TYPES) == sorted(f.name for f in fields(TrainConfig))
     TrainConfig(out="x").validate()  # the defaults pass their own checks

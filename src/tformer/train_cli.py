@@ -162,7 +162,7 @@ def _check_saved_config(saved: dict[str, Any], given: set[str], manifest: Path) 
     """``CheckpointError`` naming the manifest and the field, for a saved ``train_config`` value that cannot be
     right (a hand-edited or damaged manifest): a wrong type, or a model that cannot be built. Values the command
     line replaces are not looked at."""
-    from tformer.train import TrainConfig, field_type_error
+    from tformer.train_config import TrainConfig, field_type_error
 
     for name, value in saved.items():
         problem = None if name in given else field_type_error(name, value)
