@@ -88,14 +88,18 @@ def test_saturation_jacobian_vanishes_and_unscaled_attention_collapses():
 
 
 def test_complexity_reference_memory_grows_faster_than_fused():
-    # From n = 512: below it sdpa's whole extra memory (its 0.25 MiB output at n = 256) is within the resident-set
-    # noise of a few pages, and its fitted exponent swung between 1.2 and 1.9 from run to run.
     r = complexity.run(sizes=(512, 1024, 2048), backends=["reference", "sdpa"], heads=4, repeats=1)
-    # reference: several (H, n, n) float32 score/weight tensors at its peak (64 MiB each at n = 2048);
-    # sdpa: the 2 MiB output + per-thread buffers
-    assert r.memory_exponent["reference"] > 1.6
-    assert r.memory_exponent["reference"] > r.memory_exponent["sdpa"] + 0.5
-    assert r.peak_mib["reference"][-1] > 2 * r.score_matrix_mib(2048) > 10 * r.peak_mib["sdpa"][-1]
+    # reference: several (B, H, n, n) float32 score/weight tensors at its peak (64 MiB each at n = 2048); its
+    # fitted exponent was 1.73-1.74 over these sizes (2.0 from 256 to 1024): the allocator reuses some freed
+    # n x n blocks at the largest size, so the bound asks for clearly superlinear, not exactly 2
+    assert r.memory_exponent["reference"] > 1.5
+    assert r.peak_mib["reference"][-1] > 2 * r.score_matrix_mib(2048)
+    # sdpa: O(n), bounded by a few output-sized buffers at every n. (Not its fitted exponent: its whole extra
+    # memory is 0.5-2 MiB here, and resident-set noise of a few pages swung that exponent from 1.0 to 1.9.)
+    for n, peak in zip(r.sizes, r.peak_mib["sdpa"], strict=True):
+        output_mib = r.batch * r.heads * n * r.head_dim * 4 / 2**20
+        assert peak < 3 * output_mib + 1.0, (n, peak)
+    assert r.peak_mib["reference"][-1] > 10 * r.peak_mib["sdpa"][-1]
     assert r.max_abs_error["sdpa"] < 1e-4
     assert all(t > 0 for ts in r.seconds.values() for t in ts)
 
