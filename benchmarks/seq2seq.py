@@ -1,7 +1,7 @@
 """Sequence-to-sequence benchmark: the 2017 encoder-decoder learns to reverse digit sequences.
 
 Task ``reverse``: sources of 1-16 symbols over a vocabulary of 10 (plus PAD/BOS/EOS); 500 held-out sources are
-excluded from training. Trained with ``tformer.train.train`` (the same code as ``tformer train --task reverse``),
+excluded from training. Trained with ``tformer.training.train`` (the same code as ``tformer train --task reverse``),
 then measured by exact match of greedy decodes (key/value cache) on the held-out set. Target: >= 99% in under
 5 minutes of wall-clock time on 2 CPU cores, everything included (data, training, evaluation).
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tformer.train import TrainConfig, train
+from tformer.training import TrainConfig, train
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from tformer import DecoderLM, TransformerConfig, num_parameters
 from tformer.data import LMBatches, corpus_files, iter_texts, tokenize_corpus
 from tformer.tokenization import CharTokenizer
-from tformer.train import TrainConfig, lr_at, make_optimizer
+from tformer.training import TrainConfig, lr_at, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The same function on both sides: exact GELU, or GPT-2's tanh approximation (GPT2Config's default "gelu_new")
@@ -88,7 +88,7 @@ def validation_loss(runner: Runner, val: np.ndarray, block: int, batch: int = 64
 
 
 def train_chunk(runner: Runner, batches: LMBatches, steps: range, cfg: TrainConfig) -> None:
-    """The training step of tformer.train (one micro-batch, mean loss), timed."""
+    """The training step of tformer.training (one micro-batch, mean loss), timed."""
     model, opt = runner.model, runner.optimizer
     pending = []
     start = time.perf_counter()

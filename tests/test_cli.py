@@ -13,15 +13,15 @@ import torch
 
 from tformer.cli import main
 from tformer.demo import DemoResult
-from tformer.train import TrainConfig, TrainingError, run_lock, train
+from tformer.training import TrainConfig, TrainingError, run_lock, train
 
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--d-ff", "64", "--block-size", "16", "--batch-size", "4"]
 
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """Make any call of ``tformer.train.train`` fail the test: errors must come before training."""
-    module = importlib.import_module("tformer.train")  # the attribute tformer.train is the function train
+    """Make any call of ``tformer.training.train`` fail the test: errors must come before training."""
+    module = importlib.import_module("tformer.training")
     monkeypatch.setattr(module, "train", lambda cfg: pytest.fail("trained despite a bad flag"))
 
 
@@ -110,7 +110,7 @@ def test_ctrl_c_outside_the_training_loop_exits_130(tmp_path, capsys, monkeypatc
     def interrupted(cfg):
         raise KeyboardInterrupt  # as during imports or tokenization
 
-    monkeypatch.setattr(importlib.import_module("tformer.train"), "train", interrupted)
+    monkeypatch.setattr(importlib.import_module("tformer.training"), "train", interrupted)
     assert main(["train", "--out", str(tmp_path / "run")]) == 130
     assert _error_line(capsys) == "tformer: interrupted"
 
@@ -211,7 +211,7 @@ def test_train_demo_replaces_its_own_runs(tmp_path, capsys, monkeypatch, earlier
         seen.append(sorted(p.name for p in out.iterdir()))
         raise TrainingError("stop here")
 
-    monkeypatch.setattr(importlib.import_module("tformer.train"), "train", fake_train)
+    monkeypatch.setattr(importlib.import_module("tformer.training"), "train", fake_train)
     assert main(["train-demo", "--out", str(out)]) == 1
     assert seen == [[".lock"]]  # the earlier run's files were removed before training
     assert "stop here" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tformer.checkpoint import list_checkpoints, load_checkpoint
-from tformer.train import TrainConfig, train
+from tformer.training import TrainConfig, train
 
 
 def _free_port() -> int:

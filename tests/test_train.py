@@ -15,8 +15,8 @@ import torch
 
 from tformer.checkpoint import CheckpointError, find_latest, load_checkpoint, read_manifest
 from tformer.cli import build_parser
-from tformer.train import TrainConfig, TrainingError, lr_at, make_optimizer, resolve_device, run_lock, train
 from tformer.train_cli import config_from_args, sample_text
+from tformer.training import TrainConfig, TrainingError, lr_at, make_optimizer, resolve_device, run_lock, train
 
 TINY = dict(d_model=32, num_heads=4, num_layers=2, d_ff=64)
 
@@ -268,7 +268,7 @@ def test_devices_are_checked(monkeypatch):
 
 
 def test_divergence_stops_before_saving_broken_weights(tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.train")  # the attribute tformer.train is the function train
+    module = importlib.import_module("tformer.training")
     calls = []
     real = module.lm_loss_sum
 
@@ -303,7 +303,7 @@ class _NanGradient(torch.autograd.Function):
 
 
 def test_weights_broken_by_the_update_of_a_save_step_are_not_saved(tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.train")
+    module = importlib.import_module("tformer.training")
     calls = []
     real = module.lm_loss_sum
 
@@ -423,7 +423,7 @@ def test_a_run_that_fails_before_training_removes_the_out_it_created(tmp_path, c
 
 
 def test_ctrl_c_before_training_removes_the_out_it_created(tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.train")
+    module = importlib.import_module("tformer.training")
 
     def interrupted(*args):
         raise KeyboardInterrupt  # a second Ctrl-C during tokenization
@@ -435,7 +435,7 @@ def test_ctrl_c_before_training_removes_the_out_it_created(tmp_path, corpus, mon
 
 
 def test_a_run_that_logged_steps_keeps_its_out_when_it_fails(tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.train")
+    module = importlib.import_module("tformer.training")
     calls = []
     real = module.lm_loss_sum
 

@@ -11,7 +11,7 @@ from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention,
 from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
 from tformer.sampling import generate
 from tformer.seq2seq import beam_search, greedy_seq2seq
-from tformer.train import TrainConfig, TrainResult, train
+from tformer.training import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""``tformer train`` and ``tformer train-demo``: thin skins over :func:`tformer.train.train`.
+"""``tformer train`` and ``tformer train-demo``: thin skins over :func:`tformer.training.train`.
 
 ``tformer train --out DIR [--data PATH | --task NAME | --pairs FILE] ...`` trains (or with ``--resume``
 continues) a run; ``torchrun --nproc_per_node=2 -m tformer train ...`` trains data-parallel.
@@ -126,7 +126,7 @@ def add_cli(subparsers) -> None:
 def config_from_args(args: argparse.Namespace):
     """The :class:`TrainConfig` the flags describe; with ``--resume`` the saved run's, updated by the flags."""
     from tformer.runtime import resolve_device, triton_interpreter
-    from tformer.train import TrainConfig, damaged_checkpoint_error
+    from tformer.training import TrainConfig, damaged_checkpoint_error
 
     given: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("func", "command", "no_progress")}
     model = {MODEL_FLAGS[k]: given.pop(k) for k in list(given) if k in MODEL_FLAGS}
@@ -192,7 +192,7 @@ def _reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from tformer.train import TrainingError, train
+    from tformer.training import TrainingError, train
 
     try:
         cfg = config_from_args(args)
@@ -260,7 +260,7 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from tformer.train import TrainingError
+    from tformer.training import TrainingError
 
     try:
         return _demo(args)
@@ -309,7 +309,7 @@ def _check_demo_may_replace(out: Path, cfg) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from tformer.train import TrainConfig, run_lock, train
+    from tformer.training import TrainConfig, run_lock, train
 
     # Every setting is checked before the stale run is removed and before training.
     if args.sample_tokens < 1:

@@ -1,5 +1,5 @@
 """The settings of a training run: :class:`TrainConfig` (typed, validated before anything is written), the
-default models of each kind, and :class:`TrainResult`, what :func:`tformer.train.train` returns.
+default models of each kind, and :class:`TrainResult`, what :func:`tformer.training.train` returns.
 
 Every setting maps to one ``tformer train`` flag, and every error names the flag that fixes it.
 """
