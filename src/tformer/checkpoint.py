@@ -293,6 +293,18 @@ def find_latest(out: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def last_good_checkpoint(checkpoints: list[Path]) -> Path | None:
+    """The newest of ``checkpoints`` (oldest first, as :func:`list_checkpoints` gives them) whose files all verify
+    (:func:`read_manifest` checks every size and SHA-256), or ``None``."""
+    for candidate in reversed(checkpoints):
+        try:
+            read_manifest(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

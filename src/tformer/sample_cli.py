@@ -17,10 +17,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-import torch
-
 from tformer.sampling import check_sampling_args, generate, row_seeds
 from tformer.seq2seq import beam_search
+from tformer.tasks import pad
 
 DEFAULT_NEW_TOKENS = 200
 
@@ -83,7 +82,7 @@ def _damaged_latest_error(path: str, err: Exception) -> Exception:
     """For ``path`` a run directory (or its ``checkpoints`` folder) whose newest checkpoint failed to load with
     ``err``: an error that also names the newest earlier checkpoint that verifies, to pass as --checkpoint.
     ``err`` itself for a specific checkpoint directory, or when there is no earlier one."""
-    from tformer.checkpoint import CHECKPOINTS_DIR, MANIFEST, CheckpointError, list_checkpoints, read_manifest
+    from tformer.checkpoint import CHECKPOINTS_DIR, MANIFEST, CheckpointError, last_good_checkpoint, list_checkpoints
 
     root = Path(path)
     if (root / MANIFEST).exists():  # a specific checkpoint: the user chose it, there is nothing to fall back to
@@ -91,11 +90,8 @@ def _damaged_latest_error(path: str, err: Exception) -> Exception:
     found = list_checkpoints(root / CHECKPOINTS_DIR) or list_checkpoints(root)  # as load_checkpoint looks
     if not found:
         return err
-    for older in reversed(found[:-1]):
-        try:
-            read_manifest(older)  # verifies every file's size and SHA-256
-        except CheckpointError:
-            continue
+    older = last_good_checkpoint(found[:-1])
+    if older is not None:
         return CheckpointError(f"the newest checkpoint {found[-1]} is damaged ({err}); delete it, or pass "
                                f"--checkpoint {older}")  # fmt: skip
     return CheckpointError(f"the newest checkpoint {found[-1]} is damaged ({err}); no earlier checkpoint of {path} "
@@ -242,12 +238,7 @@ def translate_lines(ckpt, lines: list[str], *, beam_size: int = 4, length_penalt
     outputs = [""] * len(lines)
     if not present:
         return outputs
-    longest = max(len(encoded[i]) for i in present)
-    src = torch.full((len(present), longest), tokenizer.pad_id or 0, dtype=torch.long)
-    src_mask = torch.zeros(len(present), longest, dtype=torch.bool)  # right-padded: True = real token
-    for row, i in enumerate(present):
-        src[row, : len(encoded[i])] = torch.tensor(encoded[i])
-        src_mask[row, : len(encoded[i])] = True
+    src, src_mask = pad([encoded[i] for i in present], tokenizer.pad_id or 0)  # right-padded: True = real token
     limit = cfg.max_seq_len if max_new_tokens is None else max_new_tokens
     decoded = beam_search(model, src.to(device), src_mask.to(device), beam_size=beam_size,
                           length_penalty=length_penalty, max_new_tokens=limit, bos_id=tokenizer.bos_id,

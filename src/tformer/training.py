@@ -54,10 +54,10 @@ from tformer.checkpoint import (
     Checkpoint,
     CheckpointError,
     find_latest,
+    last_good_checkpoint,
     list_checkpoints,
     load_checkpoint,
     model_class,
-    read_manifest,
     save_checkpoint,
     unwrap,
 )
@@ -227,14 +227,7 @@ def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> Ch
     found = list_checkpoints(Path(out) / CHECKPOINTS_DIR)
     if not found:
         return err
-    good = None
-    for candidate in reversed(found[:-1]):
-        try:
-            read_manifest(candidate)  # verifies every file's size and SHA-256
-        except CheckpointError:
-            continue
-        good = candidate
-        break
+    good = last_good_checkpoint(found[:-1])
     hint = (f"delete it to resume from {good.name}" if good is not None else
             "no earlier checkpoint verifies; train without --resume into another --out")  # fmt: skip
     return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
