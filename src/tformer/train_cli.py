@@ -29,11 +29,11 @@ from tformer.checkpoint import (
 )
 from tformer.config import Activation, AttnBackend, Position
 from tformer.runtime import LOCK_FILE
+from tformer.train_config import MODEL_FLAGS as FLAG_OF_MODEL_FIELD
 
-# flag -> TransformerConfig field (model size and shape)
-MODEL_FLAGS = {"d_model": "d_model", "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
-               "d_ff": "d_ff", "dropout": "dropout", "position": "position", "activation": "activation",
-               "attn_backend": "attn_backend"}  # fmt: skip
+# argparse dest of a model flag -> TransformerConfig field: train_config.MODEL_FLAGS read backwards (--norm apart:
+# it takes pre/post and sets norm_first)
+MODEL_FLAGS = {flag[2:].replace("-", "_"): name for name, flag in FLAG_OF_MODEL_FIELD.items() if name != "norm_first"}
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
 # Flags that do nothing in a kind of run, and why: given on the command line there, they are an error.
 _TASK_TOKENIZER = "their tokenizer is the task's alphabet"
