@@ -12,6 +12,9 @@ batch 12, dropout 0, lr 1e-3 (100 warm-up steps) cosine to 1e-4 over 2000 steps,
     python benchmarks/train_lm.py                    # both models, 2000 steps (about 4 minutes on 2 cores)
     python benchmarks/train_lm.py --steps 200        # a quick look
     python benchmarks/train_lm.py --compile tformer  # torch.compile tformer's model (or: tformer,hf)
+    python benchmarks/train_lm.py --bf16 tformer,hf  # both under bfloat16 autocast (or: tformer, hf)
+
+Validation is in float32 whatever the training precision: it measures the trained (float32 master) weights.
 
 Needs ``transformers`` (``pip install -e ".[bench]"``).
 """
@@ -48,6 +51,7 @@ class Runner:
     model: nn.Module
     logits: Callable[[torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
+    bf16: bool = False  # train under torch.autocast(bfloat16), as tformer.train(dtype="bfloat16") does
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
     chunks: list[float] = field(default_factory=list)  # seconds per step of each timed chunk
@@ -96,8 +100,9 @@ def train_chunk(runner: Runner, batches: LMBatches, steps: range, cfg: TrainConf
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = batches.get(step).rows(0, batches.batch_size)
-        logits = runner.logits(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=runner.bf16):
+            logits = runner.logits(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # as tformer.training
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -126,6 +131,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=50, help="steps per model before switching (interleaving)")
     parser.add_argument("--models", default="tformer,hf", help="comma-separated: tformer, hf")
     parser.add_argument("--compile", default="", help="models to torch.compile, e.g. 'tformer' or 'tformer,hf'")
+    parser.add_argument("--bf16", default="", help="models trained under bfloat16 autocast, e.g. 'tformer,hf'")
     activation = "gelu: exact on both sides (default); gelu_tanh: GPT-2's tanh form (HF's default gelu_new)"
     parser.add_argument("--activation", choices=sorted(HF_ACTIVATION), default="gelu", help=activation)
     parser.add_argument("--seed", type=int, default=1337)
@@ -158,8 +164,9 @@ def main() -> None:
             def logits(x, net=net):
                 return net(input_ids=x, use_cache=False).logits
 
-        label = f"{name} (compiled)" if name in args.compile.split(",") else name
-        runners.append(Runner(label, model, logits, make_optimizer(model, train_cfg)))
+        bf16 = name in args.bf16.split(",")
+        label = name + (" (compiled)" if name in args.compile.split(",") else "") + (" bf16" if bf16 else "")
+        runners.append(Runner(label, model, logits, make_optimizer(model, train_cfg), bf16=bf16))
     print(f"data {args.data}: {len(corpus.train):,} train / {len(corpus.val):,} validation characters, "
           f"vocab {tokenizer.vocab_size}; torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
     for r in runners:

@@ -93,6 +93,49 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients(backend):
     torch.testing.assert_close(weights[..., [0, 1, 3], :].sum(-1), torch.ones(2, 3, 3, dtype=torch.float64))
 
 
+@pytest.mark.parametrize(
+    "dtype,S", [(torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float16, 64), (torch.float16, 300)]
+)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cpu_half_precision_attention_is_float32_rounded_once(dtype, S, autocast):
+    """On the CPU, float16 and short bfloat16 attention run in float32 (PyTorch's half-precision CPU kernel is
+    slower there; BENCHMARKS.md): output and gradients are the float32 computation rounded once to the input dtype,
+    bit for bit, also inside a bfloat16 autocast region (which would otherwise cast the inputs back down)."""
+    q, k, v = (_rand(2, 3, S, 16, seed=s, dtype=torch.float32).to(dtype).requires_grad_() for s in (1, 2, 3))
+    mask = _rand(S, S, seed=4, dtype=torch.float32).to(dtype)  # a float mask is cast to float32 with them
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = tf.scaled_dot_product_attention(q, k, v, mask, is_causal=True, backend="sdpa")
+    expected = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=tf.merge_masks(mask.float(), True, S, S)
+    ).to(dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, expected)
+    g = _rand(2, 3, S, 16, seed=5, dtype=torch.float32).to(dtype)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)):
+        assert torch.equal(ours, theirs)
+
+
+def test_cpu_bfloat16_attention_float32_path_is_at_least_as_accurate():
+    """Against a float64 oracle the float32 path, which rounds once, is more accurate on average than PyTorch's
+    native bfloat16 kernel, which also rounds the probabilities (max errors tie: both inherit the inputs' rounding)."""
+    q, k, v = (_rand(2, 4, 64, 32, seed=s) for s in (1, 2, 3))
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+    ours = tf.scaled_dot_product_attention(q16, k16, v16, is_causal=True, backend="sdpa")
+    native = F.scaled_dot_product_attention(q16, k16, v16, is_causal=True)
+    ours_err, native_err = (ours.double() - exact).abs(), (native.double() - exact).abs()
+    assert ours_err.max() <= native_err.max()
+    assert ours_err.mean() < native_err.mean()
+
+
+def test_cpu_long_bfloat16_attention_keeps_the_native_kernel():
+    """Above CPU_BF16_FLOAT32_MAX_KEYS keys PyTorch's bfloat16 kernel is the faster one, and it is used as is."""
+    S = tf.CPU_BF16_FLOAT32_MAX_KEYS + 1
+    q, k, v = (_rand(1, 2, n, 16, seed=s, dtype=torch.float32).bfloat16() for s, n in ((1, 4), (2, S), (3, S)))
+    out = tf.scaled_dot_product_attention(q, k, v, backend="sdpa")
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
 def test_masking_after_softmax_is_wrong():
     """Source Q3(a): -inf before the softmax renormalizes; zeroing after leaves rows that do not sum to 1."""
     q, k = _rand(1, 6, 8, seed=1), _rand(1, 6, 8, seed=2)

@@ -194,6 +194,27 @@ def reference_attention(
     return out.reshape(*query.shape[:-1], value.shape[-1]) if groups > 1 else out
 
 
+# Longest key sequence for which bfloat16 attention on the CPU runs faster in float32 (see below).
+CPU_BF16_FLOAT32_MAX_KEYS = 256
+
+
+def _cpu_attention_in_float32(query: Tensor, key: Tensor) -> bool:
+    """Whether PyTorch's CPU attention kernel is faster on these half-precision inputs cast to float32.
+
+    Measured with torch 2.13 on 2 AVX-512 cores (BENCHMARKS.md, "Half precision on the CPU"):
+    * float16: the kernel's half-precision path is slow at every length (forward + backward 4x slower than
+      float32 at 64 keys, 7x at 1024), so float16 always runs in float32;
+    * bfloat16: the backward has a fixed per-call cost that dominates short sequences (3.1x slower than
+      float32 at 64 keys, 1.1x at 256); from 512 keys on, bfloat16 is faster (1.2x at 1024).
+    Float32 is also the more accurate of the two, and the casts of q, k, v and the output are O(n).
+    """
+    if query.device.type != "cpu" or key.device.type != "cpu":
+        return False
+    if query.dtype == torch.float16:
+        return True
+    return query.dtype == torch.bfloat16 and key.shape[-2] <= CPU_BF16_FLOAT32_MAX_KEYS
+
+
 def _sdpa_attention(
     query: Tensor,
     key: Tensor,
@@ -203,7 +224,15 @@ def _sdpa_attention(
     scale: float | None,
     dropout_p: float,
 ) -> Tensor:
-    """PyTorch's fused kernels. PyTorch forbids ``attn_mask`` with ``is_causal``; we merge them instead."""
+    """PyTorch's fused kernels. PyTorch forbids ``attn_mask`` with ``is_causal``; we merge them instead.
+
+    Half-precision inputs on the CPU may run in float32 (see :func:`_cpu_attention_in_float32`); the result
+    is cast back, so callers see their own dtype either way.
+    """
+    if _cpu_attention_in_float32(query, key):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 inputs back down
+            out = _sdpa_attention(query.float(), key.float(), value.float(), attn_mask, is_causal, scale, dropout_p)
+        return out.to(query.dtype)
     if attn_mask is not None and is_causal:
         attn_mask, is_causal = merge_masks(attn_mask, True, query.shape[-2], key.shape[-2]), False
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
@@ -221,6 +250,7 @@ def resolve_backend(backend: str) -> str:
     ``"auto"`` is PyTorch's SDPA. On CPU its fused flash kernel (exact, O(n) memory) was the fastest exact path
     measured (see BENCHMARKS.md); on CUDA it runs the FlashAttention-2 / memory-efficient kernels, and the
     Triton backend is not chosen automatically until it has been measured against them on a GPU.
+    On the CPU, SDPA runs float16 and short bfloat16 inputs in float32 (:func:`_cpu_attention_in_float32`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
