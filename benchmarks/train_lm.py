@@ -12,7 +12,7 @@ batch 12, dropout 0, lr 1e-3 (100 warm-up steps) cosine to 1e-4 over 2000 steps,
     python benchmarks/train_lm.py                    # both models, 2000 steps (about 4 minutes on 2 cores)
     python benchmarks/train_lm.py --steps 200        # a quick look
     python benchmarks/train_lm.py --compile tformer  # torch.compile tformer's model (or: tformer,hf)
-    python benchmarks/train_lm.py --bf16 tformer,hf  # both under bfloat16 autocast (or: tformer, hf)
+    python benchmarks/train_lm.py --models tformer:bf16,hf,hf:bf16  # ":bf16": under bfloat16 autocast
 
 Validation is in float32 whatever the training precision: it measures the trained (float32 master) weights.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,9 +130,10 @@ def main() -> None:
     parser.add_argument("--min-lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--chunk", type=int, default=50, help="steps per model before switching (interleaving)")
-    parser.add_argument("--models", default="tformer,hf", help="comma-separated: tformer, hf")
+    parser.add_argument("--models", default="tformer,hf",
+                        help="comma-separated: tformer, hf; 'NAME:bf16' trains NAME under bfloat16 autocast; "
+                        "ratios are to the first")  # fmt: skip
     parser.add_argument("--compile", default="", help="models to torch.compile, e.g. 'tformer' or 'tformer,hf'")
-    parser.add_argument("--bf16", default="", help="models trained under bfloat16 autocast, e.g. 'tformer,hf'")
     activation = "gelu: exact on both sides (default); gelu_tanh: GPT-2's tanh form (HF's default gelu_new)"
     parser.add_argument("--activation", choices=sorted(HF_ACTIVATION), default="gelu", help=activation)
     parser.add_argument("--seed", type=int, default=1337)
@@ -153,7 +155,10 @@ def main() -> None:
     batches = LMBatches(corpus.train, args.block_size, args.batch_size, args.seed)
 
     runners = []
-    for name in args.models.split(","):
+    for spec in args.models.split(","):
+        name, _, precision = spec.partition(":")
+        if name not in ("tformer", "hf") or precision not in ("", "bf16"):
+            parser.error(f"--models: unknown entry {spec!r}; use tformer or hf, optionally with ':bf16'")
         torch.manual_seed(args.seed)
         model = (tformer_model if name == "tformer" else hf_model)(tokenizer.vocab_size, args)
         net = torch.compile(model) if name in args.compile.split(",") else model
@@ -164,7 +169,7 @@ def main() -> None:
             def logits(x, net=net):
                 return net(input_ids=x, use_cache=False).logits
 
-        bf16 = name in args.bf16.split(",")
+        bf16 = precision == "bf16"
         label = name + (" (compiled)" if name in args.compile.split(",") else "") + (" bf16" if bf16 else "")
         runners.append(Runner(label, model, logits, make_optimizer(model, train_cfg), bf16=bf16))
     print(f"data {args.data}: {len(corpus.train):,} train / {len(corpus.val):,} validation characters, "
@@ -189,10 +194,16 @@ def main() -> None:
     print("\n| model | tokens/s | val loss | train time (s) |\n|---|---:|---:|---:|")
     for name, rate, val, secs in rows:
         print(f"| {name} | {rate:,.0f} | {val:.4f} | {secs:.1f} |")
-    if len(rows) == 2:
-        (_, r0, v0, _), (_, r1, v1, _) = rows
-        print(f"\n{rows[0][0]} / {rows[1][0]} throughput ratio: {r0 / r1:.2f}x; val loss difference "
-              f"{v0 - v1:+.4f} (nats/char; {math.exp(v0):.3f} vs {math.exp(v1):.3f} perplexity)")  # fmt: skip
+    # ru_maxrss is in KiB on Linux: the whole process (Python, torch, data, every model of the run)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\npeak resident memory of the process: {peak_mib:,.0f} MiB (one model per run to compare)")
+    first, (_, r0, v0, _) = runners[0], rows[0]
+    for other, (name, r1, v1, _) in zip(runners[1:], rows[1:], strict=True):
+        # The median over chunks of the per-chunk speed ratio: a load spike on the shared host hits one chunk
+        chunk_ratio = float(np.median(np.array(other.chunks) / np.array(first.chunks)))
+        print(f"\n{rows[0][0]} / {name}: throughput {r0 / r1:.2f}x over the run (median per chunk "
+              f"{chunk_ratio:.2f}x); val loss difference {v0 - v1:+.4f} (nats/char; {math.exp(v0):.3f} vs "
+              f"{math.exp(v1):.3f} perplexity)")  # fmt: skip
 
 
 if __name__ == "__main__":
