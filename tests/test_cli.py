@@ -1,16 +1,21 @@
 """The command line: bad flags end in one line on stderr naming the flag (exit 2) before any training, a run that
 cannot go on exits 1, Ctrl-C anywhere exits 130, and the help texts are plain and complete."""
 
+import ast
 import errno
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tformer import cli
 from tformer.cli import main
 from tformer.demo import DemoResult
 from tformer.training import TrainConfig, TrainingError, run_lock, train
@@ -113,6 +118,59 @@ def test_ctrl_c_outside_the_training_loop_exits_130(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(importlib.import_module("tformer.training"), "train", interrupted)
     assert main(["train", "--out", str(tmp_path / "run")]) == 130
     assert _error_line(capsys) == "tformer: interrupted"
+
+
+def test_ctrl_c_while_torch_loads_exits_130_without_a_traceback(tmp_path):
+    """``import tformer`` does not load torch, so the CLI holds Ctrl-C back before torch's ~1 s import starts
+    (Python itself is up in ~0.1 s), and ends the command with 130 once the imports are done."""
+    command = [sys.executable, "-m", "tformer", "train", "--out", str(tmp_path / "run"), "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+
+
+def test_ctrl_c_is_held_back_until_the_block_ends():
+    """A KeyboardInterrupt inside an extension's import can be swallowed by its C code (torch's NumPy bridge) or
+    leave a module half-built; the CLI's imports therefore finish first, then the interrupt is raised."""
+    finished = False
+    with pytest.raises(KeyboardInterrupt), cli._ctrl_c_held_back():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs signal handlers between bytecodes: here, inside the block
+        finished = True
+    assert finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job: stays ignored
+    try:
+        with cli._ctrl_c_held_back():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_package_names_load_lazily_and_match_the_type_checking_imports():
+    """``import tformer`` alone imports no torch; every name of ``__all__`` resolves to its module's object; the
+    ``TYPE_CHECKING`` imports of ``tformer/__init__.py`` (for type checkers) name exactly ``__all__``."""
+    code = (
+        "import sys, tformer\n"
+        "assert 'torch' not in sys.modules, 'import tformer imported torch'\n"
+        "print(' '.join(tformer.__all__))\n"
+    )
+    names = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    tformer = importlib.import_module("tformer")
+    assert sorted(names) == sorted(tformer.__all__) and "train" in names and "DecoderLM" in names
+    for name in names:
+        module = importlib.import_module(tformer._EXPORTS[name])
+        assert getattr(tformer, name) is (module if module.__name__ == f"tformer.{name}" else getattr(module, name))
+    tree = ast.parse(Path(tformer.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {alias.asname or alias.name for n in block.body for alias in n.names}
+    assert imported == set(tformer.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = tformer.nope
 
 
 def test_help_is_plain_and_complete(capsys):

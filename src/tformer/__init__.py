@@ -2,39 +2,68 @@
 
 Layers of the package (dependencies point one way):
     functional (tensor math) <- layers <- models <- training / generation <- CLI.
+
+The names below are imported on first use (PEP 562 ``__getattr__``): ``import tformer`` does not import torch,
+so the ``tformer`` command is already handling Ctrl-C while torch loads (about 1.5 s), and exits with 130
+and one line instead of a traceback. ``from tformer import DecoderLM`` and ``tformer.train(...)`` work as with
+eager imports.
 """
 
-from tformer import functional
-from tformer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from tformer.config import TransformerConfig
-from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
-from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
-from tformer.sampling import generate
-from tformer.seq2seq import beam_search, greedy_seq2seq
-from tformer.training import TrainConfig, TrainResult, train
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointError",
-    "Decoder",
-    "DecoderLM",
-    "Encoder",
-    "EncoderDecoder",
-    "FeedForward",
-    "KVCache",
-    "LayerCache",
-    "MultiHeadAttention",
-    "TrainConfig",
-    "TrainResult",
-    "TransformerBlock",
-    "TransformerConfig",
-    "beam_search",
-    "functional",
-    "generate",
-    "greedy_seq2seq",
-    "load_checkpoint",
-    "num_parameters",
-    "train",
-]
+# Public name -> the module that defines it (a module's own name: the module itself)
+_EXPORTS = {
+    "Checkpoint": "tformer.checkpoint",
+    "CheckpointError": "tformer.checkpoint",
+    "load_checkpoint": "tformer.checkpoint",
+    "TransformerConfig": "tformer.config",
+    "functional": "tformer.functional",
+    "FeedForward": "tformer.layers",
+    "KVCache": "tformer.layers",
+    "LayerCache": "tformer.layers",
+    "MultiHeadAttention": "tformer.layers",
+    "TransformerBlock": "tformer.layers",
+    "Decoder": "tformer.models",
+    "DecoderLM": "tformer.models",
+    "Encoder": "tformer.models",
+    "EncoderDecoder": "tformer.models",
+    "num_parameters": "tformer.models",
+    "generate": "tformer.sampling",
+    "beam_search": "tformer.seq2seq",
+    "greedy_seq2seq": "tformer.seq2seq",
+    "TrainConfig": "tformer.training",
+    "TrainResult": "tformer.training",
+    "train": "tformer.training",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'tformer' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"tformer.{name}" else getattr(module, name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
+    from tformer import functional
+    from tformer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+    from tformer.config import TransformerConfig
+    from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
+    from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
+    from tformer.sampling import generate
+    from tformer.seq2seq import beam_search, greedy_seq2seq
+    from tformer.training import TrainConfig, TrainResult, train

@@ -2,7 +2,8 @@
 
 Each command module contributes ``add_cli(subparsers)``, which registers its parser and sets
 ``func(args) -> exit code``. Ctrl-C outside a training loop (which saves and stops by itself) ends the command
-with exit status 130, as the shell reports a process stopped by SIGINT.
+with exit status 130, as the shell reports a process stopped by SIGINT; during the imports of torch it is held
+back until they are done (:func:`_ctrl_c_held_back`).
 
 Output that cannot be written ends the command without a traceback: a reader that went away (``tformer sample
 ... | head``) quietly with exit status 141, as the shell reports a process stopped by SIGPIPE; anything else (a
@@ -13,9 +14,13 @@ modules are imported inside :func:`main`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 # Modules that register commands; each is imported only when the CLI starts.
 COMMAND_MODULES = [
@@ -69,6 +74,31 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+@contextlib.contextmanager
+def _ctrl_c_held_back() -> Iterator[None]:
+    """Run the block with Ctrl-C held back, then raise it as ``KeyboardInterrupt`` if it came meanwhile.
+
+    For the heavy imports (torch, ~1.5 s): a ``KeyboardInterrupt`` raised inside an extension module's
+    initialization can be swallowed by its C code (torch's NumPy bridge clears any error, and the run goes on)
+    or leave a module half-initialized (``module 'numpy' has no attribute 'intp'`` a few seconds later).
+    Only Python's own Ctrl-C handler is replaced, and only in the main thread: an ignored SIGINT (a background
+    job) stays ignored.
+    """
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tformer", description=DESCRIPTION)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -83,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = _GuardedStdout(stdout)
     try:
         try:
-            args = build_parser().parse_args(argv)
+            with _ctrl_c_held_back():  # the command modules import torch
+                parser = build_parser()
+            args = parser.parse_args(argv)
             return int(args.func(args) or 0)
         finally:  # what is still buffered (stdout is a pipe or a file) fails here, inside the handlers below
             if sys.stdout is not None:
