@@ -125,6 +125,14 @@ def test_char_tokenizer_lm_and_bfloat16_autocast(tmp_path, corpus):
     assert next(ckpt.model.parameters()).dtype == torch.float32  # autocast leaves the weights in float32
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_without_native_cpu_support_says_float32_is_faster(tmp_path, corpus, capsys, monkeypatch, native):
+    monkeypatch.setattr(importlib.import_module("tformer.training"), "cpu_has_native_bfloat16", lambda: native)
+    train(_cfg(tmp_path, corpus, dtype="bfloat16", steps=2, eval_every=0, device="cpu"))
+    said = "no native bfloat16 arithmetic" in capsys.readouterr().err
+    assert said is not native
+
+
 def test_clear_errors(tmp_path, corpus):
     with pytest.raises(ValueError, match=r"steps must be a positive integer \(--steps\); got 0"):
         train(_cfg(tmp_path, corpus, steps=0))
