@@ -202,10 +202,10 @@ def _cpu_attention_in_float32(query: Tensor, key: Tensor) -> bool:
     """Whether PyTorch's CPU attention kernel is faster on these half-precision inputs cast to float32.
 
     Measured with torch 2.13 on 2 AVX-512 cores (BENCHMARKS.md, "Half precision on the CPU"):
-    * float16: the kernel's half-precision path is slow at every length (forward + backward 4x slower than
-      float32 at 64 keys, 7x at 1024), so float16 always runs in float32;
-    * bfloat16: the backward has a fixed per-call cost that dominates short sequences (3.1x slower than
-      float32 at 64 keys, 1.1x at 256); from 512 keys on, bfloat16 is faster (1.2x at 1024).
+    * float16: the kernel's half-precision path is slow at every length (forward + backward 3.8x slower than
+      float32 at 64 keys, 7.3x at 1024), so float16 always runs in float32;
+    * bfloat16: the backward has a fixed per-call cost that dominates short sequences (forward + backward 2.9x
+      slower than float32 at 64 keys, 1.3x at 256); from 512 keys on, bfloat16 is 1.25x faster.
     Float32 is also the more accurate of the two, and the casts of q, k, v and the output are O(n).
     """
     if query.device.type != "cpu" or key.device.type != "cpu":
