@@ -161,7 +161,8 @@ def main() -> None:
             parser.error(f"--models: unknown entry {spec!r}; use tformer or hf, optionally with ':bf16'")
         torch.manual_seed(args.seed)
         model = (tformer_model if name == "tformer" else hf_model)(tokenizer.vocab_size, args)
-        net = torch.compile(model) if name in args.compile.split(",") else model
+        compiled, bf16 = name in args.compile.split(","), precision == "bf16"
+        net = torch.compile(model) if compiled else model
         if name == "tformer":
             logits = net
         else:
@@ -169,8 +170,7 @@ def main() -> None:
             def logits(x, net=net):
                 return net(input_ids=x, use_cache=False).logits
 
-        bf16 = precision == "bf16"
-        label = name + (" (compiled)" if name in args.compile.split(",") else "") + (" bf16" if bf16 else "")
+        label = name + (" (compiled)" if compiled else "") + (" bf16" if bf16 else "")
         runners.append(Runner(label, model, logits, make_optimizer(model, train_cfg), bf16=bf16))
     print(f"data {args.data}: {len(corpus.train):,} train / {len(corpus.val):,} validation characters, "
           f"vocab {tokenizer.vocab_size}; torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
@@ -198,10 +198,10 @@ def main() -> None:
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak resident memory of the process: {peak_mib:,.0f} MiB (one model per run to compare)")
     first, (_, r0, v0, _) = runners[0], rows[0]
-    for other, (name, r1, v1, _) in zip(runners[1:], rows[1:], strict=True):
+    for other, (_, r1, v1, _) in zip(runners[1:], rows[1:], strict=True):
         # The median over chunks of the per-chunk speed ratio: a load spike on the shared host hits one chunk
         chunk_ratio = float(np.median(np.array(other.chunks) / np.array(first.chunks)))
-        print(f"\n{rows[0][0]} / {name}: throughput {r0 / r1:.2f}x over the run (median per chunk "
+        print(f"\n{first.name} / {other.name}: throughput {r0 / r1:.2f}x over the run (median per chunk "
               f"{chunk_ratio:.2f}x); val loss difference {v0 - v1:+.4f} (nats/char; {math.exp(v0):.3f} vs "
               f"{math.exp(v1):.3f} perplexity)")  # fmt: skip
 

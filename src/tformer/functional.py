@@ -208,11 +208,9 @@ def _cpu_attention_in_float32(query: Tensor, key: Tensor) -> bool:
       slower than float32 at 64 keys, 1.3x at 256); from 512 keys on, bfloat16 is 1.25x faster.
     Float32 is also the more accurate of the two, and the casts of q, k, v and the output are O(n).
     """
-    if query.device.type != "cpu" or key.device.type != "cpu":
+    if query.dtype not in (torch.float16, torch.bfloat16) or query.device.type != "cpu":  # float32 decides first
         return False
-    if query.dtype == torch.float16:
-        return True
-    return query.dtype == torch.bfloat16 and key.shape[-2] <= CPU_BF16_FLOAT32_MAX_KEYS
+    return query.dtype == torch.float16 or key.shape[-2] <= CPU_BF16_FLOAT32_MAX_KEYS
 
 
 def _sdpa_attention(
