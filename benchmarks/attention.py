@@ -1,8 +1,8 @@
 """Time and memory of exact attention backends as the sequence length grows.
 
 Backends: ``reference`` (materialized ``softmax(Q K^T / sqrt(E)) V``, O(n^2) memory), ``tiled``
-(:func:`tformer.attention_tiled.tiled_attention`), ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention``)
-and, on CUDA, ``triton`` (:func:`tformer.attention_triton.triton_attention`) and SDPA held to one of PyTorch's
+(:func:`tformer.attention.tiled.tiled_attention`), ``sdpa`` (``torch.nn.functional.scaled_dot_product_attention``)
+and, on CUDA, ``triton`` (:func:`tformer.attention.triton.triton_attention`) and SDPA held to one of PyTorch's
 kernels each: ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn`` (``torch.nn.attention.sdpa_kernel``; one that
 cannot run the inputs is reported as unsupported).
 
@@ -42,7 +42,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from tformer.attention_tiled import tiled_attention
+from tformer.attention.tiled import tiled_attention
 from tformer.functional import scaled_dot_product_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +81,7 @@ def backend_fn(name):
     if name in SDPA_KERNELS:
         return sdpa_kernel_only(SDPA_KERNELS[name])
     if name == "triton":
-        from tformer.attention_triton import triton_attention
+        from tformer.attention.triton import triton_attention
 
         return lambda q, k, v, c: triton_attention(q, k, v, is_causal=c)
     raise ValueError(f"unknown backend {name!r}")

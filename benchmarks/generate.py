@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tformer import DecoderLM, TransformerConfig
-from tformer.sampling import generate
+from tformer.generation.sampling import generate
 
 
 def tformer_model(args: argparse.Namespace) -> DecoderLM:

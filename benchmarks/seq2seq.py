@@ -7,7 +7,7 @@ then measured by exact match of greedy decodes (key/value cache) on the held-out
 
     python benchmarks/seq2seq.py                      # the defaults recorded in BENCHMARKS.md
     python benchmarks/seq2seq.py --steps 1000         # a quicker, weaker run
-    python benchmarks/seq2seq.py --demo               # also the `tformer demo` loop (tformer.demo.run_demo)
+    python benchmarks/seq2seq.py --demo               # also the `tformer demo` loop (tformer.training.demos.run_demo)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
-    parser.add_argument("--demo", action="store_true", help="also run tformer.demo.run_demo with its defaults")
+    parser.add_argument("--demo", action="store_true", help="also run tformer.training.demos.run_demo with its defaults")
     args = parser.parse_args()
 
     rows = []
@@ -50,7 +50,7 @@ def main() -> None:
         wall = time.perf_counter() - start
         rows.append(("tformer train --task " + args.task, result.step, wall, result.val_accuracy, result.val_loss))
     if args.demo:
-        from tformer.demo import run_demo
+        from tformer.training.demos import run_demo
 
         start = time.perf_counter()
         demo = run_demo(progress=False)

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer import DecoderLM, TransformerConfig, num_parameters
-from tformer.data import LMBatches, corpus_files, iter_texts, tokenize_corpus
-from tformer.tokenization import CharTokenizer
 from tformer.training import TrainConfig, lr_at, make_optimizer
+from tformer.training.data import LMBatches, corpus_files, iter_texts, tokenize_corpus
+from tformer.training.tokenizers import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The same function on both sides: exact GELU, or GPT-2's tanh approximation (GPT2Config's default "gelu_new")

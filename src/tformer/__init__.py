@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (a module's own name: the module itself)
 _EXPORTS = {
-    "Checkpoint": "tformer.checkpoint",
-    "CheckpointError": "tformer.checkpoint",
-    "load_checkpoint": "tformer.checkpoint",
+    "Checkpoint": "tformer.training.checkpoint",
+    "CheckpointError": "tformer.training.checkpoint",
+    "load_checkpoint": "tformer.training.checkpoint",
     "TransformerConfig": "tformer.config",
     "functional": "tformer.functional",
     "FeedForward": "tformer.layers",
@@ -33,12 +33,12 @@ _EXPORTS = {
     "Encoder": "tformer.models",
     "EncoderDecoder": "tformer.models",
     "num_parameters": "tformer.models",
-    "generate": "tformer.sampling",
-    "beam_search": "tformer.seq2seq",
-    "greedy_seq2seq": "tformer.seq2seq",
-    "TrainConfig": "tformer.training",
-    "TrainResult": "tformer.training",
-    "train": "tformer.training",
+    "generate": "tformer.generation.sampling",
+    "beam_search": "tformer.generation.seq2seq",
+    "greedy_seq2seq": "tformer.generation.seq2seq",
+    "TrainConfig": "tformer.training.config",
+    "TrainResult": "tformer.training.config",
+    "train": "tformer.training.trainer",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -60,10 +60,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer import functional
-    from tformer.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from tformer.config import TransformerConfig
+    from tformer.generation.sampling import generate
+    from tformer.generation.seq2seq import beam_search, greedy_seq2seq
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
-    from tformer.sampling import generate
-    from tformer.seq2seq import beam_search, greedy_seq2seq
-    from tformer.training import TrainConfig, TrainResult, train
+    from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+    from tformer.training.config import TrainConfig, TrainResult
+    from tformer.training.trainer import train

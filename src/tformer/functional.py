@@ -317,10 +317,10 @@ def dispatch_attention(
             "use backend='sdpa' or 'reference', or set dropout_p=0"
         )
     if name == "tiled":
-        from tformer.attention_tiled import tiled_attention
+        from tformer.attention.tiled import tiled_attention
 
         return tiled_attention(query, key, value, attn_mask, is_causal, scale)
-    from tformer.attention_triton import triton_attention
+    from tformer.attention.triton import triton_attention
 
     return triton_attention(query, key, value, attn_mask, is_causal, scale)
 

@@ -76,7 +76,7 @@ def measure(points: list[tuple[str, int]], batch: int, heads: int, head_dim: int
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     if spec.get("import_tiled"):
-        import tformer.attention_tiled  # noqa: F401  (imported before forking, like torch)
+        import tformer.attention.tiled  # noqa: F401  (imported before forking, like torch)
     points = [(str(b), int(n)) for b, n in spec["points"]]
     for row in measure(points, int(spec["batch"]), int(spec["heads"]), int(spec["head_dim"])):
         print(json.dumps(row), flush=True)

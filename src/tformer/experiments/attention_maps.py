@@ -5,7 +5,7 @@ self-attention: Q, K, V all from the (partial) decoder sequence, causally masked
 cross-attention: Q from the decoder, K and V from the encoder output."
 
 Measured on a :class:`tformer.EncoderDecoder` trained on the built-in ``reverse`` task (teacher forcing, the
-warmup-cosine schedule of :mod:`tformer.demo`): forward pre-hooks record what each attention layer receives
+warmup-cosine schedule of :mod:`tformer.training.demos`): forward pre-hooks record what each attention layer receives
 (checking that the cross-attention's keys/values come from the encoder output), and the weights are recomputed
 from the layer's own projections with :func:`tformer.functional.attention_weights`. On held-out sources of
 length S, decoder position i (reading ``BOS y_1 .. y_i``) predicts ``y_{i+1} = x_{S-1-i}``, so a cross-attention
@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from tformer.config import TransformerConfig
-from tformer.demo import evaluate, train_seq2seq
 from tformer.experiments._common import Table, fmt, layer_attention_probs, new_figure, save_figure, single_thread
 from tformer.layers import MultiHeadAttention
 from tformer.models import EncoderDecoder
-from tformer.tasks import PAD, SequenceTask
+from tformer.training.demos import evaluate, train_seq2seq
+from tformer.training.tasks import PAD, SequenceTask
 
 QUESTION = "Q3(c)"
 TITLE = "The three attentions of an encoder-decoder"

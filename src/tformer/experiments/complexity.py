@@ -50,8 +50,8 @@ MIB = 2**20
 
 
 def tiled_available() -> bool:
-    """Whether the ``tiled`` backend (``tformer.attention_tiled``) is installed and agrees with the reference."""
-    if importlib.util.find_spec("tformer.attention_tiled") is None:
+    """Whether the ``tiled`` backend (``tformer.attention.tiled``) is installed and agrees with the reference."""
+    if importlib.util.find_spec("tformer.attention.tiled") is None:
         return False
     try:
         q = torch.randn(1, 1, 5, 8, dtype=torch.float64)
@@ -215,7 +215,7 @@ def run(
         if tiled_available():
             backends.append("tiled")
         else:
-            notes.append("the tiled backend (tformer.attention_tiled) is not installed here: not measured")
+            notes.append("the tiled backend (tformer.attention.tiled) is not installed here: not measured")
     torch.manual_seed(seed)
     seconds = {b: [time_attention(b, n, batch, heads, head_dim, repeats) for n in sizes] for b in backends}
     peaks = measure_peak_memory([(b, n) for b in backends for n in sizes], batch, heads, head_dim)

@@ -1,0 +1,1 @@
+"""Attention backends: the materialized reference, PyTorch's SDPA, tiled FlashAttention in PyTorch, Triton."""

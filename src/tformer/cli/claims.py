@@ -1,0 +1,124 @@
+"""``tformer verify-claims`` (and ``python -m tformer.claims``): a thin skin over :mod:`tformer.claims`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tformer.claims.checker import (
+    BUILTIN_CLAIMS,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_TIMEOUT_S,
+    Claim,
+    ClaimsInputError,
+    _limits,
+    builtin_claims,
+    format_row,
+    iter_check_claims,
+    load_claims,
+    parse_claims,
+    summarize,
+    summary_line,
+)
+
+CLI_DESCRIPTION = (
+    'Check a JSON list of {"claim": text, "code": python} objects. Each code may use sympy names '
+    "(symbols, exp, diff, simplify, Matrix, limit, oo, ...) without importing them and must set `result` "
+    "to a bool or sympy true/false. Each claim runs in its own sandboxed worker process."
+)
+CLI_EPILOG = "exit codes: 0 all pass, 1 any FAIL/ERROR/TIMEOUT, 2 unusable input (an empty claims list included)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``verify-claims`` options, shared by ``tformer verify-claims`` and ``python -m tformer.claims``."""
+    parser.add_argument("file", nargs="?", help="claims JSON file ('-' reads standard input)")
+    parser.add_argument("--builtin", choices=sorted(BUILTIN_CLAIMS), help="check a claims file shipped with tformer")
+    parser.add_argument("--json", action="store_true", help="print machine-readable results")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="wall-clock and CPU-time limit per claim, seconds (default %(default)g)",
+    )
+    parser.add_argument(
+        "--memory-mb",
+        type=int,
+        default=DEFAULT_MEMORY_MB,
+        help="address-space limit per claim, MiB (default %(default)d)",
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="claims checked in parallel (default: the CPU count)")
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``verify-claims`` on the ``tformer`` CLI's argparse subparsers; ``func(args)`` -> exit code."""
+    parser = subparsers.add_parser(
+        "verify-claims",
+        help="check a JSON file of sympy claims in sandboxed worker processes",
+        description=CLI_DESCRIPTION,
+        epilog=CLI_EPILOG,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def _claims_from_args(args: argparse.Namespace) -> list[Claim]:
+    if (args.file is None) == (args.builtin is None):
+        raise ClaimsInputError("give exactly one of a claims FILE or --builtin {seed,derivations}")
+    if args.builtin is not None:
+        return builtin_claims(args.builtin)
+    if args.file == "-":
+        text = sys.stdin.read()
+        try:
+            return parse_claims(json.loads(text), "<stdin>")
+        except json.JSONDecodeError as exc:
+            raise ClaimsInputError(
+                f"<stdin>: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+            ) from None
+    return load_claims(Path(args.file))
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``verify-claims`` for parsed arguments; return the process exit code (0, 1 or 2)."""
+    try:
+        claims = _claims_from_args(args)
+        limits = _limits(args.timeout, args.memory_mb, None)
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+    except (ClaimsInputError, ValueError) as exc:
+        print(f"verify-claims: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    results = []
+    for result in iter_check_claims(claims, timeout_s=limits.timeout_s, memory_mb=limits.memory_mb, jobs=args.jobs):
+        results.append(result)
+        if not args.json:
+            print(format_row(result), flush=True)
+    ok = all(result.ok for result in results)
+    if args.json:
+        report = {"results": [asdict(r) for r in results], "summary": summarize(results), "ok": ok}
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{summary_line(results)} ({len(results)} claims, {time.perf_counter() - start:.1f} s)")
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tformer.claims [FILE] [--builtin NAME] [--json] ...``"""
+    parser = argparse.ArgumentParser(
+        prog="python -m tformer.claims",
+        description=CLI_DESCRIPTION,
+        epilog=CLI_EPILOG,
+    )
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Sampling from a decoder-only LM: pure logit filters, and ``generate`` with a key/value cache.
+
+One step turns the next-token logits ``z (B, V)`` into a token per row, in this order (as Hugging Face):
+
+    greedy        y = argmax_i z_i                                   (first index on ties)
+    temperature   z <- z / T                  T < 1 sharpens, T > 1 flattens, T -> 0 is greedy
+    top-k         keep the k largest z_i, the rest -> -inf          (Fan et al. 2018)
+    top-p         keep the smallest set of most probable tokens whose probability sums to >= p,
+                  the rest -> -inf; the most probable token is always kept  (nucleus, Holtzman et al. 2020)
+    sample        y ~ softmax(z)
+
+``generate`` prefills the prompt once, then feeds one token per row per step; every block keeps its keys and
+values (:class:`tformer.layers.KVCache`). Prompts of different lengths are LEFT-padded and masked, so every row's
+newest token sits in the last column and positions count only real tokens (``tformer.models.positions_from_mask``).
+
+A sliding context window for models with learned positions (``cfg.position == "learned"``: a table of only
+``W = cfg.max_seq_len`` positions). Each row's model input is a window of its last tokens, never more than ``W``:
+
+    start   a prompt of L tokens starts the window at its last min(L, W) tokens (a longer prompt is cropped)
+    grow    each new token joins the window
+    restart when the window would hold W + 1 tokens, it restarts from the newest max(1, W // 2) tokens
+
+so once the text is longer than ``W``, each token is drawn given the last ``max(1, W // 2)`` to ``W`` tokens.
+With the cache a restart re-prefills a fresh cache from the restarted window (one prefill of at most ``W // 2``
+tokens per ``W - W // 2`` steps); without it, the model is run on the same window. Both compute the same
+logits, and a row's window depends only on its own prompt length and step, so a left-padded batch still gives
+the tokens of one by one. Sinusoidal, rotary and no positions have no limit: the window is the whole sequence.
+
+Shape legend: B batch, P padded prompt length, N generated tokens so far, V vocabulary, W context window.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tformer.generation.stopping import Stopper, TextDecoder
+from tformer.models import DecoderLM
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure filters on logits (..., V)
+# --------------------------------------------------------------------------------------------------
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None, greedy: bool) -> None:
+    """Raise ``ValueError`` for settings that define no distribution. The messages name the argument and its
+    ``tformer sample`` flag, as both reach users."""
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
+                         f"(greedy=True, --greedy); got {temperature}")  # fmt: skip
+    if not greedy and not math.isfinite(temperature):  # T = inf would ignore the model: every token equally likely
+        raise ValueError(f"temperature (--temperature) must be a finite number > 0 (T = inf samples uniformly, "
+                         f"ignoring the model); got {temperature}")  # fmt: skip
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k (--top-k) must be an integer >= 1 (or None / left out: no limit); got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p (--top-p) must be in (0, 1] (or None / left out: no limit); got {top_p!r}")
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """``z / T``: ``softmax(z / T)_i`` is proportional to ``p_i^(1/T)``.
+
+    Computed as ``(z - max_i z_i) / T``, which has the same softmax but is ``<= 0`` everywhere and ``0`` at the
+    maximum: a tiny ``T`` sends the other logits to ``-inf`` (``T -> 0`` is greedy, ties shared) instead of
+    overflowing ``z / T`` to ``+inf`` and the softmax to ``inf - inf = NaN``. A ``T`` too small for the logits'
+    dtype (it would round to 0, and ``0 / 0`` is NaN) is applied in float64.
+    """
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0; got {temperature}")
+    if temperature == 1.0:
+        return logits
+    if temperature < torch.finfo(logits.dtype).tiny:
+        logits = logits.double()
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (..., V)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep exactly the ``min(k, V)`` largest logits of each row (ties broken as ``torch.topk``); others ``-inf``."""
+    if k < 1:
+        raise ValueError(f"top_k must be >= 1; got {k}")
+    if k >= logits.shape[-1]:
+        return logits
+    kept = logits.topk(k, dim=-1)  # (..., k)
+    return torch.full_like(logits, NEG_INF).scatter(-1, kept.indices, kept.values)
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter: keep the smallest set of most probable tokens whose total probability is ``>= p``.
+
+    Sort descending, ``p_(1) >= p_(2) >= ...``; token ``(i)`` is kept iff ``sum_{j<i} p_(j) < p`` (the mass
+    before it has not yet reached ``p``), so the most probable token is always kept. Probabilities are summed
+    in float64. ``p = 1`` keeps every token.
+    """
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1]; got {p}")
+    if p == 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (..., V)
+    probs = sorted_logits.double().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # (..., V): sum_{j<i} p_(j)
+    drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def filter_logits(
+    logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> Tensor:
+    """Temperature, then top-k, then top-p: the logits whose softmax is the sampling distribution."""
+    logits = apply_temperature(logits, temperature)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return logits
+
+
+NAN_LOGITS = ("the model produced NaN (or infinite) logits, so there is no distribution to sample from; the "
+              "checkpoint has probably diverged (look at its training loss) or its weights are corrupted")  # fmt: skip
+
+
+def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) -> Tensor:
+    """Draw one token per row ``y_b ~ softmax(logits_b)``: ``(B, V) -> (B,)``.
+
+    With ``generators`` (one per row) row ``b`` draws only from ``generators[b]``, so its token does not
+    depend on the other rows of the batch. Tokens with logit ``-inf`` (probability 0) are never drawn.
+
+    NaN logits (or ``+inf`` ones, whose softmax is NaN) raise ``ValueError``: ``torch.multinomial`` finds them
+    while it draws, so checking costs nothing extra (no host sync) when they are fine.
+    """
+    probs = logits.float().softmax(dim=-1)  # (B, V)
+    if generators is not None and len(generators) != probs.shape[0]:
+        raise ValueError(f"need one generator per row: {probs.shape[0]} rows, {len(generators)} generators")
+    try:
+        if generators is None:
+            return torch.multinomial(probs, 1)[:, 0]
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)])
+    except RuntimeError as err:
+        if not bool(probs.isnan().any()):
+            raise
+        raise ValueError(NAN_LOGITS) from err
+
+
+def check_finite_logits(logits: Tensor) -> Tensor:
+    """``logits`` unchanged, or ``ValueError`` (:data:`NAN_LOGITS`) if any is NaN or infinite.
+
+    One host sync: decoders call it once, on the first step's logits (a model with a NaN weight gives NaN
+    there), not on every step of the decode loop."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(NAN_LOGITS)
+    return logits
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """The settings of one sampling step, applied by :meth:`pick` to logits ``(B, V)``."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+    generators: Sequence[torch.Generator] | None = None  # one per row, or None: torch's global RNG
+
+    def pick(self, logits: Tensor) -> Tensor:
+        """One token per row ``(B,)``."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        filtered = filter_logits(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return sample(filtered, self.generators)
+
+
+# --------------------------------------------------------------------------------------------------
+# Feeding the model step by step
+# --------------------------------------------------------------------------------------------------
+def context_window(cfg) -> int | None:
+    """How many tokens the model may see at once: ``max_seq_len`` with learned positions, else ``None`` (no limit)."""
+    return cfg.max_seq_len if cfg.position == "learned" else None
+
+
+class IncrementalLM:
+    """Next-token logits ``(B, V)`` of a batch of growing sequences.
+
+    ``prefill()`` runs the (left-padded) prompt ``ids (B, P)`` with ``mask (B, P)`` (``None``: no padding) once;
+    each ``step(tokens (B,))`` appends one token per row. With ``use_cache`` only the new token goes through the
+    model (its keys/values join the cache); without, the whole window is recomputed (the reference).
+
+    With a context window ``W`` (:func:`context_window`; the module docstring gives the rule) row ``b`` sees
+    the columns ``starts[b] <= c < length``. The model is run on columns ``base = min_b starts[b]`` onwards,
+    with the mask ``False`` before each row's own start (so positions count from it); when a step would give
+    some row ``W + 1`` tokens (``length > limit = base + W``) that row restarts and the cache is refilled
+    (for every row: rows of different prompt lengths restart at different steps, each refilling all of them).
+    """
+
+    def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int,
+                 use_cache: bool = True) -> None:  # fmt: skip
+        B, P = ids.shape
+        self.model, self.use_cache, self.length = model, use_cache, P
+        self.ids = ids.new_empty(B, P + max_new_tokens)  # (B, P + N_max): prompt, then generated tokens
+        self.ids[:, :P] = ids
+        self.mask = None  # stays None without padding: the decoder then needs no mask at all
+        if mask is not None:
+            self.mask = mask.new_ones(B, P + max_new_tokens)  # (B, P + N_max): generated tokens are real
+            self.mask[:, :P] = mask
+        self.cache = None
+        self.window = context_window(model.cfg)
+        self.base, self.limit = 0, self.ids.shape[1]  # no window: every column, and no restart ever
+        if self.window is not None:
+            real = [P] * B if mask is None else mask.sum(dim=-1).tolist()  # prompt tokens of each row
+            self.starts = [P - min(n, self.window) for n in real]  # a longer prompt is cropped to its last W
+            self._set_window()
+
+    def _set_window(self) -> None:
+        self.base = min(self.starts)
+        self.limit = self.base + self.window
+        if self.mask is not None:  # rows with padding restart at their own steps: mask each before its start
+            columns = torch.arange(self.mask.shape[1], device=self.mask.device)
+            starts = torch.tensor(self.starts, device=self.mask.device)
+            self.mask &= columns[None, :] >= starts[:, None]  # (B, P + N_max)
+        # without padding all rows have one start, and the model sees exactly ids[:, base:length]
+
+    def _mask(self) -> Tensor | None:
+        return None if self.mask is None else self.mask[:, self.base : self.length]
+
+    def prefill(self) -> Tensor:
+        """Logits of the token after the prompt (or the current window) ``(B, V)``; with ``use_cache`` into a
+        fresh cache."""
+        self.cache = self.model.new_cache() if self.use_cache else None
+        return self.model(self.ids[:, self.base : self.length], self._mask(), self.cache)[:, -1]
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
+        self.ids.select(1, self.length).copy_(tokens)  # ids[:, length] = tokens, in fewer calls
+        self.length += 1
+        if self.length > self.limit:  # a row's window is full: it restarts (learned positions only)
+            return self._restart()
+        if self.cache is None:
+            return self.model(self.ids[:, self.base : self.length], self._mask())[:, -1]
+        return self.model(tokens[:, None], self._mask(), self.cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+
+    def _restart(self) -> Tensor:
+        """Restart each row whose window now holds ``W + 1`` tokens from its newest ``max(1, W // 2)``, then run
+        the model on the new windows (re-prefill: the cache of every row is rebuilt, each from its own window)."""
+        keep = max(1, self.window // 2)
+        self.starts = [self.length - keep if self.length - s > self.window else s for s in self.starts]
+        self._set_window()
+        return self.prefill()
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str | None = None):
+    """``ids (B, P)`` with each prompt at the right end, and ``mask (B, P)`` (True = real token), or ``None``
+    as the mask when all prompts have the same length."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+    if all(len(p) == P for p in prompts):
+        return ids.to(device), None
+    lengths = torch.tensor([len(p) for p in prompts])
+    mask = torch.arange(P)[None, :] >= (P - lengths)[:, None]  # (B, P)
+    return ids.to(device), mask.to(device)
+
+
+def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() != 2 or prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"prompt_ids must be a (batch, time) integer tensor; got {prompt_ids.dtype} "
+                             f"{tuple(prompt_ids.shape)}")  # fmt: skip
+        prompt_ids = prompt_ids.tolist()
+    prompts = [[int(t) for t in p] for p in prompt_ids]
+    if not prompts:
+        raise ValueError("prompt_ids is empty: give at least one prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: a decoder-only LM needs at least one token to condition on")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    return prompts
+
+
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; the signed range is the one every device accepts
+
+
+def row_seeds(seed: int | Sequence[int] | None, batch: int) -> list[int] | None:
+    """The seed of each of ``batch`` rows: ``seed + b`` for an int, the list itself for a list, ``None`` for
+    ``None``. Raises ``ValueError`` (naming ``--seed``) unless every row's seed is an integer in
+    ``[0, MAX_SEED]``."""
+    if seed is None:
+        return None
+    one = not isinstance(seed, Sequence)
+    try:
+        seeds = [operator.index(seed) + b for b in range(batch)] if one else [operator.index(s) for s in seed]
+    except TypeError as err:
+        raise ValueError(f"seed (--seed) must be an integer or a list of integers; got {seed!r}") from err
+    if len(seeds) != batch:
+        raise ValueError(f"seed: give one int, or one seed per prompt ({batch}); got {len(seeds)}")
+    for b, s in enumerate(seeds):
+        if not 0 <= s <= MAX_SEED:
+            row = f" (row {b} of the batch draws with seed + {b})" if one and b else ""
+            raise ValueError(f"seed (--seed) must be an integer in [0, 2**63 - 1 = {MAX_SEED}]{row}; got {s}")
+    return seeds
+
+
+def _generators(seeds: list[int] | None, device: torch.device) -> list[torch.Generator] | None:
+    return None if seeds is None else [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+# --------------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------------
+def generate(
+    model: DecoderLM,
+    prompt_ids: Sequence[Sequence[int]] | Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    seed: int | Sequence[int] | None = None,
+    stop: Sequence[str | Sequence[int]] | None = None,
+    eos_id: int | None = None,
+    tokenizer: TextDecoder | None = None,
+    use_cache: bool = True,
+    on_token: Callable[[int, int], None] | None = None,
+) -> list[list[int]]:
+    """Continue each prompt by up to ``max_new_tokens`` tokens; returns the new tokens of each row.
+
+    What the model conditions on: the whole prompt and every token generated so far, except with learned
+    positions (``cfg.position == "learned"``), where it sees a sliding window of at most ``max_seq_len`` tokens
+    (module docstring): a longer prompt is cropped to its last ``max_seq_len`` tokens, and once the window is
+    full it restarts from its newest ``max_seq_len // 2``. Any ``max_new_tokens`` works with every position scheme.
+
+    Args:
+        prompt_ids: a list of token-id lists (any lengths; left-padded internally) or a ``(B, P)`` tensor.
+        temperature, top_k, top_p, greedy: the sampling rule of the module docstring (``greedy`` ignores the rest).
+        seed: ``None`` draws from torch's global RNG. An int ``s`` gives row ``b`` its own generator seeded
+            ``s + b``; a list gives one seed per row. A row then draws only from its own generator, so
+            ``generate(m, prompts, seed=s)[b] == generate(m, [prompts[b]], seed=s + b)[0]``: batching does not
+            change what a row samples, as long as its logits agree (they do up to float rounding, ~1e-6 in
+            float32; a token can differ only if a draw falls within that rounding of a probability boundary).
+            Greedy decoding is deterministic and batch-independent in the same sense.
+        stop, eos_id, tokenizer: end a row at ``eos_id``, at a stop sequence of ids, or at a stop string
+            (needs ``tokenizer``); the stop itself is dropped from the output (see :class:`Stopper`).
+        use_cache: ``False`` recomputes the whole sequence each step (reference and benchmarks).
+        on_token: ``on_token(row, token_id)`` is called for each output token, in order, as soon as no stop
+            can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
+            returned lists.
+
+    Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings or seeds, or
+    NaN (or infinite) logits from the model: checked once on the prompt's logits (a model with a NaN weight
+    gives them there), and, when sampling, at every draw at no extra cost.
+    """
+    cfg = model.cfg
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")
+    check_sampling_args(temperature, top_k, top_p, greedy)
+    prompts = _prompt_lists(prompt_ids, cfg.vocab_size)
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    stopper = Stopper(stop, eos_id, tokenizer)
+    B = len(prompts)
+    seeds = row_seeds(seed, B)
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    if max_new_tokens == 0:
+        return outputs
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, cfg.pad_id or 0, device)
+    rule = SamplingRule(temperature, top_k, top_p, greedy, _generators(seeds, device))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            lm = IncrementalLM(model, ids, mask, max_new_tokens=max_new_tokens, use_cache=use_cache)
+            if not stopper.active and on_token is None:  # no row can end early: no host sync until the end
+                return _decode_block(lm, rule, max_new_tokens).tolist()
+            _decode_rows(lm, rule, max_new_tokens, stopper, on_token, outputs)
+            return outputs
+    finally:
+        model.train(was_training)
+
+
+def _decode_block(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int) -> Tensor:
+    """``max_new_tokens`` steps for every row; returns the new tokens ``(B, N)``."""
+    logits = check_finite_logits(lm.prefill())
+    for n in range(max_new_tokens):
+        token = rule.pick(logits)  # (B,)
+        if n < max_new_tokens - 1:
+            logits = lm.step(token)
+        else:  # the last token is kept, not fed
+            lm.ids[:, lm.length] = token
+            lm.length += 1
+    return lm.ids[:, lm.length - max_new_tokens : lm.length]
+
+
+def _decode_rows(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int, stopper: Stopper,
+                 on_token: Callable[[int, int], None] | None, outputs: list[list[int]]) -> None:  # fmt: skip
+    """Steps until every row has ended or ``max_new_tokens``; each row's kept tokens go to ``outputs[row]``,
+    and to ``on_token`` once no stop can claim them."""
+    B = lm.ids.shape[0]
+    done, shown = [False] * B, [0] * B  # shown: tokens of the row already passed to on_token
+    logits = check_finite_logits(lm.prefill())
+    for n in range(max_new_tokens):
+        token = rule.pick(logits)  # (B,)
+        last = n == max_new_tokens - 1
+        for b, t in enumerate(token.tolist()):
+            if done[b]:
+                continue
+            row = outputs[b]
+            row.append(t)
+            end = stopper.end(row) if stopper.active else None
+            if end is not None:
+                del row[end:]
+                done[b] = True
+            settled = len(row) if done[b] or last else stopper.settled(row)
+            if on_token is not None:
+                for tok in row[shown[b] : settled]:
+                    on_token(b, tok)
+            shown[b] = max(shown[b], settled)
+        if all(done) or last:
+            return
+        logits = lm.step(token)

@@ -1,0 +1,87 @@
+"""Stop conditions of generation: an end-of-sequence id, stop sequences of token ids, and stop strings.
+
+:class:`Stopper` decides when a row's generated tokens end it, and which of them may already be shown while
+a stop might still be forming (streaming holds those back). Used by :func:`tformer.generation.sampling.generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class TextDecoder(Protocol):
+    """What stop strings need of a tokenizer (any :class:`tformer.training.tokenizers.Tokenizer` has it)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class Stopper:
+    """When a row's generated tokens end generation, and which of them may already be shown.
+
+    A row ends at ``eos_id``, at a stop sequence of token ids, or when its generated text contains a stop
+    string (text stops need a tokenizer; only the generated text is searched, not the prompt). The EOS and
+    the stop sequence/string are not part of the output. A stop string is cut on token boundaries: the kept
+    tokens are the longest prefix whose text ends before the stop string, so with multi-character tokens the
+    text of a token that straddles the stop string's start is lost with it.
+    """
+
+    def __init__(
+        self, stop: Sequence[str | Sequence[int]] | None, eos_id: int | None, tokenizer: TextDecoder | None = None
+    ) -> None:
+        self.eos_id = eos_id
+        self.id_stops: list[list[int]] = []
+        self.text_stops: list[str] = []
+        for item in stop or ():
+            if isinstance(item, str):
+                if tokenizer is None:
+                    raise ValueError(f"the stop string {item!r} needs a tokenizer (pass tokenizer=...)")
+                if not item:
+                    raise ValueError("a stop string must not be empty")
+                self.text_stops.append(item)
+            else:
+                ids = [int(t) for t in item]
+                if not ids:
+                    raise ValueError("a stop sequence of token ids must not be empty")
+                self.id_stops.append(ids)
+        self.tokenizer = tokenizer
+
+    @property
+    def active(self) -> bool:
+        return self.eos_id is not None or bool(self.id_stops or self.text_stops)
+
+    def _within(self, tokens: list[int], chars: int) -> int:
+        """The longest prefix of ``tokens`` whose text is at most ``chars`` characters long."""
+        n = len(tokens)
+        while n and len(self.tokenizer.decode(tokens[:n])) > chars:
+            n -= 1
+        return n
+
+    def end(self, tokens: list[int]) -> int | None:
+        """``None`` while generation goes on; else how many of ``tokens`` the output keeps."""
+        if self.eos_id is not None and tokens[-1] == self.eos_id:
+            return len(tokens) - 1
+        for seq in self.id_stops:
+            if tokens[-len(seq) :] == seq:
+                return len(tokens) - len(seq)
+        if self.text_stops:
+            text = self.tokenizer.decode(tokens)
+            hits = [text.find(s) for s in self.text_stops if s in text]
+            if hits:
+                return self._within(tokens, min(hits))
+        return None
+
+    def settled(self, tokens: list[int]) -> int:
+        """How many leading tokens no stop sequence or string can still claim (the rest are held back)."""
+        n = len(tokens)
+        for seq in self.id_stops:  # hold back a suffix that is a proper prefix of a stop sequence
+            for k in range(min(len(seq) - 1, n), 0, -1):
+                if tokens[n - k :] == seq[:k]:
+                    n = min(n, len(tokens) - k)
+                    break
+        if self.text_stops and n:
+            text = self.tokenizer.decode(tokens[:n])
+            hold = max((k for s in self.text_stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            if hold:
+                n = self._within(tokens[:n], len(text) - hold)
+        return n
