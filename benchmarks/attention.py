@@ -42,8 +42,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from tformer.attention import scaled_dot_product_attention
 from tformer.attention.tiled import tiled_attention
-from tformer.functional import scaled_dot_product_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SDPA_KERNELS = {  # backend name -> torch.nn.attention.SDPBackend member

@@ -1,6 +1,6 @@
 """Half-precision attention on the CPU: PyTorch's kernel in the input dtype against the same kernel in float32.
 
-This is the measurement behind ``tformer.functional._cpu_attention_in_float32``: for each dtype and shape it
+This is the measurement behind ``tformer.attention.sdpa.cpu_attention_in_float32``: for each dtype and shape it
 times ``F.scaled_dot_product_attention`` (causal) on the half-precision inputs as they are ("native"), and on
 the inputs cast to float32 with the output cast back ("float32"), forward alone and forward+backward, the
 two taking turns in one process (best of several runs). ``native / float32`` > 1 means float32 is faster.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tformer import functional as tf
+from tformer.attention.sdpa import cpu_attention_in_float32
 
 SHAPES = [  # (batch, heads, n, head dim): training shapes of the benchmark models, then longer sequences
     (12, 4, 64, 32),
@@ -61,7 +61,7 @@ def row(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> str:
     with torch.no_grad():
         fwd = best_ms([native, in_float32], calls)
     both = best_ms([lambda: native().backward(grad), lambda: in_float32().backward(grad)], calls)
-    chosen = "float32" if tf._cpu_attention_in_float32(q, k) else "native"
+    chosen = "float32" if cpu_attention_in_float32(q, k) else "native"
     name = str(dtype).removeprefix("torch.")
     return (
         f"| {name} | {b}x{h}x{n}x{e} | {fwd[0]:.3f} | {fwd[1]:.3f} | {fwd[0] / fwd[1]:.2f} "

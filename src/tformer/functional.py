@@ -16,14 +16,10 @@ The one mask convention of tformer (the same as ``torch.nn.functional.scaled_dot
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-Backend = Literal["auto", "reference", "sdpa", "tiled", "triton"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled", "triton")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -49,7 +45,7 @@ def merge_masks(attn_mask: Tensor | None, is_causal: bool, num_queries: int, num
     return attn_mask.masked_fill(~causal, float("-inf"))
 
 
-def _check_attention_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> None:
+def check_attention_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> None:
     if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
         raise ValueError(
             f"attention needs query (..., L, E), key (..., S, E), value (..., S, Ev); got shapes "
@@ -158,7 +154,7 @@ def attention_weights(
     Grouped-query shapes (fewer key heads than query heads) are broadcast: query head ``j`` uses key
     head ``j // (H/Hkv)``; the result has the query's head count.
     """
-    _check_attention_args(query, key, key, attn_mask)
+    check_attention_args(query, key, key, attn_mask)
     grouped, groups = _group_query_heads(query, key)
     scores = attention_scores(
         grouped, _kv_for_groups(key, groups), _mask_for_groups(attn_mask, groups), is_causal, scale
@@ -192,137 +188,6 @@ def reference_attention(
         weights = F.dropout(weights, p=dropout_p)
     out = torch.matmul(weights, _kv_for_groups(value, groups))  # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
     return out.reshape(*query.shape[:-1], value.shape[-1]) if groups > 1 else out
-
-
-# Longest key sequence for which bfloat16 attention on the CPU runs faster in float32 (see below).
-CPU_BF16_FLOAT32_MAX_KEYS = 256
-
-
-def _cpu_attention_in_float32(query: Tensor, key: Tensor) -> bool:
-    """Whether PyTorch's CPU attention kernel is faster on these half-precision inputs cast to float32.
-
-    Measured with torch 2.13 on 2 AVX-512 cores (BENCHMARKS.md, "Half precision on the CPU"):
-    * float16: the kernel's half-precision path is slow at every length (forward + backward 3.8x slower than
-      float32 at 64 keys, 7.3x at 1024), so float16 always runs in float32;
-    * bfloat16: the backward has a fixed per-call cost that dominates short sequences (forward + backward 2.9x
-      slower than float32 at 64 keys, 1.3x at 256); from 512 keys on, bfloat16 is 1.25x faster.
-    Float32 is also the more accurate of the two, and the casts of q, k, v and the output are O(n).
-    """
-    if query.dtype not in (torch.float16, torch.bfloat16) or query.device.type != "cpu":  # float32 decides first
-        return False
-    return query.dtype == torch.float16 or key.shape[-2] <= CPU_BF16_FLOAT32_MAX_KEYS
-
-
-def _sdpa_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    dropout_p: float,
-) -> Tensor:
-    """PyTorch's fused kernels. PyTorch forbids ``attn_mask`` with ``is_causal``; we merge them instead.
-
-    Half-precision inputs on the CPU may run in float32 (see :func:`_cpu_attention_in_float32`); the result
-    is cast back, so callers see their own dtype either way.
-    """
-    if _cpu_attention_in_float32(query, key):
-        with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 inputs back down
-            out = _sdpa_attention(query.float(), key.float(), value.float(), attn_mask, is_causal, scale, dropout_p)
-        return out.to(query.dtype)
-    if attn_mask is not None and is_causal:
-        attn_mask, is_causal = merge_masks(attn_mask, True, query.shape[-2], key.shape[-2]), False
-    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        attn_mask = attn_mask.to(query.dtype)
-    gqa = query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=gqa,
-    )  # fmt: skip
-
-
-def resolve_backend(backend: str) -> str:
-    """The concrete backend that ``backend`` names (validated).
-
-    ``"auto"`` is PyTorch's SDPA. On CPU its fused flash kernel (exact, O(n) memory) was the fastest exact path
-    measured (see BENCHMARKS.md); on CUDA it runs the FlashAttention-2 / memory-efficient kernels, and the
-    Triton backend is not chosen automatically until it has been measured against them on a GPU.
-    On the CPU, SDPA runs float16 and short bfloat16 inputs in float32 (:func:`_cpu_attention_in_float32`).
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend != "auto":
-        return backend
-    return "sdpa"
-
-
-def scaled_dot_product_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    *,
-    dropout_p: float = 0.0,
-    backend: Backend = "auto",
-) -> Tensor:
-    """``Attention(Q, K, V) = softmax(Q K^T * scale + mask) V`` (Vaswani et al. 2017, eq. 1).
-
-    Args follow ``torch.nn.functional.scaled_dot_product_attention``:
-        query ``(..., L, E)``, key ``(..., S, E)``, value ``(..., S, Ev)`` -> ``(..., L, Ev)``.
-        attn_mask: boolean (``True`` = may attend) or float (added to the scores), broadcastable to
-            ``(..., L, S)``. May be combined with ``is_causal`` (both apply).
-        is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned when ``L != S``).
-        scale: defaults to ``1/sqrt(E)``.
-        dropout_p: dropout on the attention weights (reference and sdpa backends only).
-        backend: ``"reference"`` (materialized, step by step), ``"sdpa"`` (PyTorch's fused kernels),
-            ``"tiled"`` (online-softmax FlashAttention in PyTorch), ``"triton"`` (Triton kernel) or
-            ``"auto"`` (the fastest exact backend for the device).
-    Grouped-query attention: key/value may have fewer heads (dim -3) than the query when it divides
-    the query's head count; query head ``j`` uses key/value head ``j // (H/Hkv)``.
-    A query row with no key it may attend to returns zeros and zero gradient.
-    """
-    _check_attention_args(query, key, value, attn_mask)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    return dispatch_attention(query, key, value, attn_mask, is_causal, scale, dropout_p, resolve_backend(backend))
-
-
-def dispatch_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    name: str,
-) -> Tensor:
-    """:func:`scaled_dot_product_attention` on the concrete backend ``name`` (see :func:`resolve_backend`),
-    without its argument checks.
-
-    For callers whose query, key and value are right by construction, such as
-    :class:`tformer.layers.MultiHeadAttention`: decoding one token is ~100 small calls, and the checks
-    cost ~5 us per attention call (~3% of a decode step of the benchmark model).
-    """
-    if name == "reference":
-        return reference_attention(query, key, value, attn_mask, is_causal, scale, dropout_p)
-    if name == "sdpa":
-        return _sdpa_attention(query, key, value, attn_mask, is_causal, scale, dropout_p)
-    if dropout_p > 0.0:
-        raise ValueError(
-            f"backend {name!r} does not implement attention dropout (dropout_p={dropout_p}); "
-            "use backend='sdpa' or 'reference', or set dropout_p=0"
-        )
-    if name == "tiled":
-        from tformer.attention.tiled import tiled_attention
-
-        return tiled_attention(query, key, value, attn_mask, is_causal, scale)
-    from tformer.attention.triton import triton_attention
-
-    return triton_attention(query, key, value, attn_mask, is_causal, scale)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,14 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer import attention
 from tformer.config import TransformerConfig
-from tformer.functional import (
-    dispatch_attention,
-    resolve_backend,
-    rotary_cos_sin,
-    rotate_pairs,
-    sinusoidal_positional_encoding,
-)
+from tformer.functional import rotary_cos_sin, rotate_pairs, sinusoidal_positional_encoding
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,7 +171,7 @@ class MultiHeadAttention(nn.Module):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={num_heads}")
         self.head_dim = d_model // num_heads
-        resolve_backend(backend)  # an unknown name fails here, not at the first forward
+        attention.resolve(backend)  # an unknown name fails here, not at the first forward
         self.d_model, self.dropout, self.backend, self.rotary = d_model, dropout, backend, rotary
         kv_dim = self.num_kv_heads * self.head_dim
         self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)  # rows: W^Q | W^K | W^V
@@ -225,7 +220,7 @@ class MultiHeadAttention(nn.Module):
                     cache.cross_kv = (k, v)
         dropout_p = self.dropout if self.training else 0.0
         # q, k, v are right by construction: skip the argument checks of scaled_dot_product_attention
-        out = dispatch_attention(q, k, v, attn_mask, is_causal, None, dropout_p, resolve_backend(self.backend))
+        out = attention.attend(q, k, v, attn_mask, is_causal, None, dropout_p, attention.resolve(self.backend))
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
         return self.out_proj(out)
 

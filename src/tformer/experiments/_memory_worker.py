@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tformer.functional import scaled_dot_product_attention
+from tformer.attention import scaled_dot_product_attention
 
 # ru_maxrss is in KiB on Linux and in bytes on macOS
 _MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024

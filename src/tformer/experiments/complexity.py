@@ -4,7 +4,7 @@ Claims (source, Q1(c)): "Overall O(n^2 d) time, O(n^2) memory (dominant)." (Q1(d
 computation -- never materialise the full n x n score matrix; process K, V in blocks and accumulate the output
 using an online (streaming) softmax so only O(n) statistics are kept."
 
-Measured for each backend of :func:`tformer.functional.scaled_dot_product_attention` (``reference``: the
+Measured for each backend of :func:`tformer.attention.scaled_dot_product_attention` (``reference``: the
 materialized scores; ``sdpa``: PyTorch's fused kernel, on CPU a FlashAttention-style tiled kernel; ``tiled``:
 tformer's online-softmax implementation, when installed), one forward call on ``q, k, v (B, H, n, D)`` float32
 under ``no_grad``, as n doubles:
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 import tformer
+from tformer.attention import scaled_dot_product_attention
 from tformer.experiments._common import Table, fit_power_law, fmt, new_figure, save_figure
-from tformer.functional import scaled_dot_product_attention
 
 QUESTION = "Q1(c), Q1(d)"
 TITLE = "The cost of attention, and what tiling saves"

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tformer.attention import scaled_dot_product_attention
 from tformer.experiments._common import Table, fmt, new_figure, save_figure
-from tformer.functional import attention_weights, causal_mask, scaled_dot_product_attention
+from tformer.functional import attention_weights, causal_mask
 from tformer.layers import MultiHeadAttention
 
 QUESTION = "Q3(a)"
