@@ -72,23 +72,63 @@ class LayerCache:
 
 # --------------------------------------------------------------------------------------------------
 # Position encodings
+#
+# The tables are sized from the config when the module is built (``max_len`` rows). A longer input grows them by
+# its *shape*, a Python int known before any value is computed (:meth:`reserve`), never by reading positions back
+# from the device: a forward pass stays free of host syncs and compiles into one graph.
 # --------------------------------------------------------------------------------------------------
-class SinusoidalPositions(nn.Module):
-    """Fixed table ``PE[pos]`` of :func:`tformer.functional.sinusoidal_positional_encoding`, added to the
-    token embeddings. Grown on demand, so any length works."""
+class _FixedTables(nn.Module):
+    """Non-trainable tables of one row per position, computed in float64 by ``_compute(rows)`` and stored in the
+    module's dtype. Recomputed (not converted) when the module moves to another dtype or device, so a
+    ``.double()`` model holds float64-exact tables."""
 
-    def __init__(self, d_model: int, initial_len: int = 512, base: float = 10000.0) -> None:
+    def __init__(self, rows: int) -> None:
         super().__init__()
+        for name, table in zip(self._names(), self._compute(rows, "cpu", torch.get_default_dtype()), strict=True):
+            self.register_buffer(name, table, persistent=False)  # derived from the config: not in checkpoints
+
+    def _names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _compute(self, rows: int, device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    @property
+    def rows(self) -> int:
+        return getattr(self, self._names()[0]).shape[0]
+
+    def _rebuild(self, rows: int) -> None:
+        like = getattr(self, self._names()[0])
+        for name, table in zip(self._names(), self._compute(rows, like.device, like.dtype), strict=True):
+            setattr(self, name, table)
+
+    def reserve(self, length: int) -> None:
+        """Make room for positions ``0 .. length - 1`` (doubling), ``length`` being an input's static size."""
+        if length > self.rows:
+            self._rebuild(max(length, 2 * self.rows))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._rebuild(self.rows)  # exact in the new dtype, on the new device
+        return self
+
+
+class SinusoidalPositions(_FixedTables):
+    """Fixed table ``PE[pos]`` of :func:`tformer.functional.sinusoidal_positional_encoding`, added to the token
+    embeddings: ``(max_len, C)`` from construction, grown for longer inputs (:meth:`reserve`)."""
+
+    def __init__(self, d_model: int, max_len: int = 512, base: float = 10000.0) -> None:
         self.d_model, self.base = d_model, base
-        self.register_buffer("table", sinusoidal_positional_encoding(initial_len, d_model, base), persistent=False)
+        super().__init__(max_len)
+
+    def _names(self) -> tuple[str, ...]:
+        return ("table",)
+
+    def _compute(self, rows: int, device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        return (sinusoidal_positional_encoding(rows, self.d_model, self.base, dtype=dtype, device=device),)
 
     def forward(self, positions: Tensor) -> Tensor:
-        """``positions (..., T)`` int -> ``(..., T, C)``."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.table.shape[0]:
-            self.table = sinusoidal_positional_encoding(
-                max(needed, 2 * self.table.shape[0]), self.d_model, self.base, device=self.table.device
-            )
+        """``positions (T,)`` or ``(B, T)`` int -> ``(T, C)`` or ``(B, T, C)``; call :meth:`reserve` first."""
         return self.table[positions]
 
 
@@ -99,44 +139,50 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.table = nn.Embedding(max_len, d_model)
 
-    def forward(self, positions: Tensor) -> Tensor:
-        if positions.numel() and int(positions.max()) >= self.table.num_embeddings:
+    def reserve(self, length: int) -> None:
+        """``ValueError`` when ``length`` positions do not fit the table (the input's static size is checked)."""
+        if length > self.table.num_embeddings:
             raise ValueError(
-                f"position {int(positions.max())} is beyond max_seq_len={self.table.num_embeddings} of the "
-                "learned position table; shorten the input or build the model with a larger max_seq_len"
+                f"position {length - 1} is beyond max_seq_len={self.table.num_embeddings} of the learned position "
+                "table; shorten the input or build the model with a larger max_seq_len"
             )
+
+    def forward(self, positions: Tensor) -> Tensor:
         return self.table(positions)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(_FixedTables):
     """RoPE applied to queries and keys inside attention (see :func:`tformer.functional.apply_rotary`).
 
-    Caches ``cos(m theta_i)``, ``sin(m theta_i)`` for positions seen so far (computed in float64).
+    Holds ``cos(m theta_i)``, ``sin(m theta_i)`` for positions ``m < max_len`` (computed in float64), grown for longer
+    inputs (:meth:`reserve`). ``forward(positions)`` looks up the angles of a batch once; :meth:`rotate` turns the
+    queries or keys of every layer by them.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = True) -> None:
-        super().__init__()
+    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, max_len: int = 256) -> None:
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head dimension; got {head_dim}")
         self.head_dim, self.base, self.interleaved = head_dim, base, interleaved
-        self._cos: Tensor | None = None
-        self._sin: Tensor | None = None
+        super().__init__(max_len)
 
-    def _tables(self, needed: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        cached = self._cos
-        if cached is None or cached.shape[0] < needed or cached.device != like.device or cached.dtype != like.dtype:
-            length = max(needed, 2 * (cached.shape[0] if cached is not None else 0), 256)
-            positions = torch.arange(length, device=like.device)
-            self._cos, self._sin = rotary_cos_sin(positions, self.head_dim, self.base, like.dtype)
-        return self._cos, self._sin
+    def _names(self) -> tuple[str, ...]:
+        return ("cos", "sin")
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """``x (B, H, T, D)``, ``positions (T,)`` or ``(B, T)`` -> rotated ``x``."""
-        cos, sin = self._tables(int(positions.max()) + 1 if positions.numel() else 0, x)
-        cos, sin = cos[positions], sin[positions]  # (T, D/2) or (B, T, D/2)
+    def _compute(self, rows: int, device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        return rotary_cos_sin(torch.arange(rows, device=device), self.head_dim, self.base, dtype)  # (rows, D/2) x2
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``positions (T,)`` or ``(B, T)`` -> ``cos, sin`` of shape ``(T, D/2)`` or ``(B, 1, T, D/2)`` (broadcast
+        over heads); call :meth:`reserve` first."""
+        cos, sin = self.cos[positions], self.sin[positions]
         if positions.dim() == 2:
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D/2): broadcast over heads
-        return rotate_pairs(x, cos, sin, self.interleaved)
+            cos, sin = cos[:, None], sin[:, None]  # (B, T, D/2) -> (B, 1, T, D/2)
+        return cos, sin
+
+    def rotate(self, x: Tensor, angles: tuple[Tensor, Tensor]) -> Tensor:
+        """``x (B, H, T, D)`` rotated by ``angles = forward(positions)`` (cast to ``x``'s dtype, e.g. under autocast)."""
+        cos, sin = angles
+        return rotate_pairs(x, cos.to(x.dtype), sin.to(x.dtype), self.interleaved)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,12 +235,15 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         *,
         positions: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
         cache: LayerCache | None = None,
     ) -> Tensor:
         """``x (B, T, C)`` attends to itself (``context=None``) or to ``context (B, S, C)``.
 
-        ``attn_mask`` broadcastable to ``(B, H, T, S)``; ``positions (T,)`` or ``(B, T)`` feed RoPE
-        (self-attention only); ``cache`` holds past keys/values for incremental decoding.
+        ``attn_mask`` broadcastable to ``(B, H, T, S)``; RoPE (self-attention only) turns queries and keys by
+        ``rope``, the angles :class:`RotaryEmbedding` looked up for this batch, or else by those of ``positions``
+        (``(T,)`` or ``(B, T)``; default: ``past .. past + T - 1``); ``cache`` holds past keys/values for
+        incremental decoding.
         """
         B, T, C = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -202,10 +251,13 @@ class MultiHeadAttention(nn.Module):
             qkv = self.in_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, T, D)
             q, k, v = qkv.split_with_sizes([H, Hkv, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
             if self.rotary is not None:
-                if positions is None:
+                if rope is None:  # called on its own: look the angles up here
                     past = cache.self_kv.length if cache is not None else 0
-                    positions = torch.arange(past, past + T, device=x.device)
-                q, k = self.rotary(q, positions), self.rotary(k, positions)
+                    if positions is None:
+                        positions = torch.arange(past, past + T, device=x.device)
+                    self.rotary.reserve(past + T)
+                    rope = self.rotary(positions)
+                q, k = self.rotary.rotate(q, rope), self.rotary.rotate(k, rope)
             if cache is not None:
                 k, v = cache.self_kv.update(k, v)  # (B, Hkv, S_past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
@@ -298,10 +350,12 @@ class TransformerBlock(nn.Module):
         memory_mask: Tensor | None = None,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """``x (B, T, C)``; ``memory (B, S, C)`` for cross-attention; masks broadcastable to ``(B, H, T, *)``."""
+        """``x (B, T, C)``; ``memory (B, S, C)`` for cross-attention; masks broadcastable to ``(B, H, T, *)``;
+        ``rope``: the RoPE angles of this batch (:class:`RotaryEmbedding`), shared by every block."""
         x = self._residual(x, self.self_attn_norm, self.self_attn, None, self_mask, is_causal,
-                           positions=positions, cache=cache)  # fmt: skip
+                           positions=positions, rope=rope, cache=cache)  # fmt: skip
         if self.cross_attn is not None:
             if memory is None and (cache is None or cache.cross_kv is None):
                 raise ValueError("this block has cross-attention: pass the encoder output as memory")

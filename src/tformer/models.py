@@ -26,18 +26,33 @@ from tformer.layers import (
 )
 
 
-def check_ids(ids: Tensor, cfg: TransformerConfig, name: str = "ids") -> None:
-    """Raise ``ValueError`` unless ``ids`` is a ``(B, T)`` integer tensor of valid token ids."""
-    if ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise ValueError(
-            f"{name} must be a (batch, time) tensor of integer token ids; got {ids.dtype} {tuple(ids.shape)}"
-        )
+def check_inputs(
+    cfg: TransformerConfig, ids: Tensor, mask: Tensor | None = None, *, name: str = "ids", mask_name: str = "mask"
+) -> None:
+    """``ValueError`` unless ``ids`` is a ``(B, T)`` integer tensor of token ids inside the vocabulary and ``mask``
+    (if given) a boolean ``(B, T)`` tensor.
+
+    The public entry points (``generate``, the seq2seq decoders, ``train``, the CLI) call this once on their input;
+    a model's ``forward`` checks only shapes and dtypes, since reading the ids back would stall the device once per
+    call (and break a compiled graph). This function reads them back: one ``aminmax`` per call.
+    """
+    _check_ids_shape(ids, name)
+    if mask is not None:
+        _check_mask(mask, ids, mask_name)
     low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)  # one reduction, not two
     if low < 0 or high >= cfg.vocab_size:
         bad = low if low < 0 else high
         raise ValueError(
             f"{name} holds token id {bad}, outside the vocabulary [0, {cfg.vocab_size}); "
             "check the tokenizer or raise vocab_size"
+        )
+
+
+def _check_ids_shape(ids: Tensor, name: str) -> None:
+    """Shape and dtype only: metadata, known without reading the tensor."""
+    if ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must be a (batch, time) tensor of integer token ids; got {ids.dtype} {tuple(ids.shape)}"
         )
 
 
@@ -93,8 +108,18 @@ class Embedder(nn.Module):
             self.positions = None
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def reserve(self, length: int) -> None:
+        """Make the position table hold ``length`` positions (learned positions: ``ValueError`` if they cannot)."""
+        if self.positions is not None:
+            self.positions.reserve(length)
+
     def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
-        x = self.tokens(ids)  # (B, T) -> (B, T, C)
+        """``ids (B, T)``, ``positions (T,)`` or ``(B, T)`` (inside the table: :meth:`reserve`) -> ``(B, T, C)``."""
+        try:
+            x = self.tokens(ids)  # (B, T) -> (B, T, C)
+        except IndexError:  # an id outside the vocabulary: the CPU kernel raises (CUDA fails a device-side assert)
+            check_inputs(self.cfg, ids)  # the error naming the id (reads the ids back, on this error path only)
+            raise
         if self.scale != 1.0:
             x = x * self.scale
         if self.positions is not None:
@@ -110,23 +135,31 @@ class _EmbeddedStack(nn.Module):
         super().__init__()
         self.cfg, self.causal = cfg, causal
         self.embed = Embedder(cfg, scale=scale_embeddings, tokens=tokens)
-        rotary = (
-            RotaryEmbedding(cfg.head_dim, cfg.rope_base, cfg.rope_interleaved) if cfg.position == "rotary" else None
+        self.rotary = (
+            RotaryEmbedding(cfg.head_dim, cfg.rope_base, cfg.rope_interleaved, max_len=cfg.max_seq_len)
+            if cfg.position == "rotary"
+            else None
         )
-        self.stack = BlockStack(cfg, num_layers, cross_attention=cross_attention, rotary=rotary)
+        self.stack = BlockStack(cfg, num_layers, cross_attention=cross_attention, rotary=self.rotary)
 
     def _run(self, ids: Tensor, mask: Tensor | None, caches: list[LayerCache] | None, **kwargs) -> Tensor:
-        check_ids(ids, self.cfg)
+        """Embed ``ids (B, T)`` (after ``past`` cached tokens) and run the blocks. Everything here is decided from
+        shapes and Python ints: no value is read back from the device."""
+        _check_ids_shape(ids, "ids")
+        B, T = ids.shape
         past = caches[0].self_kv.length if caches else 0
-        if mask is not None and mask.shape != (ids.shape[0], past + ids.shape[1]):
-            raise ValueError(
-                f"mask must be (batch, cached + new tokens) = {(ids.shape[0], past + ids.shape[1])}; "
-                f"got {tuple(mask.shape)}"
-            )
-        positions = positions_from_mask(mask, ids.shape[1], past, ids.device)
-        self_mask, is_causal = self_attention_mask(mask, ids.shape[1], past, self.causal)
-        x = self.embed(ids, positions)
-        return self.stack(x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, **kwargs)
+        if mask is not None and mask.shape != (B, past + T):
+            raise ValueError(f"mask must be (batch, cached + new tokens) = {(B, past + T)}; got {tuple(mask.shape)}")
+        self.embed.reserve(past + T)  # positions are < past + T, with or without padding
+        positions = positions_from_mask(mask, T, past, ids.device)  # (T,) or (B, T)
+        rope = None
+        if self.rotary is not None:
+            self.rotary.reserve(past + T)
+            rope = self.rotary(positions)  # the angles of this batch, once for every block
+        self_mask, is_causal = self_attention_mask(mask, T, past, self.causal)
+        x = self.embed(ids, positions)  # (B, T, C)
+        return self.stack(x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions,
+                          rope=rope, **kwargs)  # fmt: skip
 
     def new_cache(self) -> list[LayerCache]:
         """An empty key/value cache, one entry per block, for incremental decoding."""

@@ -191,3 +191,13 @@ def test_beam_search_without_a_finite_complete_hypothesis_returns_the_best_live_
     assert all(eos not in row.topk(4).indices for row in first)
     out = beam_search(model, src, mask, beam_size=2, length_penalty=0.0, bos_id=1, eos_id=eos, max_new_tokens=2)
     assert len(out) == 2 and all(len(row) == 2 and min(row) >= 0 and max(row) < 32 for row in out)
+
+
+def test_bad_source_ids_are_named_before_decoding(random_seq2seq, random_sources):
+    """The decoders check their input once (the model's forward reads no ids back): a clear error, not garbage."""
+    model = random_seq2seq()
+    src, mask = random_sources([3, 5], vocab=32)
+    src[1, 2] = 32
+    for decode in (greedy_seq2seq, lambda *a, **k: beam_search(*a, beam_size=2, **k)):
+        with pytest.raises(ValueError, match=r"src holds token id 32, outside the vocabulary \[0, 32\)"):
+            decode(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=4)

@@ -153,7 +153,9 @@ def layer_queries_keys(
     k = k.view(B, S, mha.num_kv_heads, D).transpose(1, 2)  # (B, S, Hkv*D) -> (B, Hkv, S, D)
     if mha.rotary is not None and context is None:
         pos = torch.arange(T, device=x.device) if positions is None else positions
-        q, k = mha.rotary(q, pos), mha.rotary(k, pos)
+        mha.rotary.reserve(T)
+        rope = mha.rotary(pos)  # the angles of these positions
+        q, k = mha.rotary.rotate(q, rope), mha.rotary.rotate(k, rope)
     return q, k
 
 

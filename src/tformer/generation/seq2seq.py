@@ -22,11 +22,14 @@ import torch
 from torch import Tensor
 
 from tformer.generation.sampling import check_finite_logits
-from tformer.models import EncoderDecoder
+from tformer.models import EncoderDecoder, check_inputs
 
 
-def _check_decode_args(model: EncoderDecoder, max_new_tokens: int, bos_id: int, eos_id: int) -> None:
+def _check_decode_args(
+    model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_new_tokens: int, bos_id: int, eos_id: int
+) -> None:
     cfg = model.cfg
+    check_inputs(cfg, src, src_mask, name="src", mask_name="src_mask")  # once: the decode loop reads nothing back
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
@@ -53,7 +56,7 @@ def greedy_seq2seq(
     """Greedy decoding of a batch ``src (B, S)``: ``y_t = argmax_y p(y | y_<t, X)`` until EOS or
     ``max_new_tokens``. Returns each output without BOS and EOS. NaN (or infinite) logits at the first step
     (a diverged model) raise ``ValueError``."""
-    _check_decode_args(model, max_new_tokens, bos_id, eos_id)
+    _check_decode_args(model, src, src_mask, max_new_tokens, bos_id, eos_id)
     memory = model.encode(src, src_mask)  # (B, S, C)
     cache = model.new_cache()
     batch = src.shape[0]
@@ -112,7 +115,7 @@ def beam_search(
     NaN (or infinite) logits at the first step (a diverged model) raise ``ValueError``. Should NaN appear only
     later and leave a source no hypothesis of finite score, its first live beam is returned.
     """
-    _check_decode_args(model, max_new_tokens, bos_id, eos_id)
+    _check_decode_args(model, src, src_mask, max_new_tokens, bos_id, eos_id)
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be an integer >= 1; got {beam_size!r}")
     if not (math.isfinite(length_penalty) and length_penalty >= 0):  # NaN would rank the hypotheses at random
