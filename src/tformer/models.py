@@ -64,6 +64,30 @@ def _check_mask(mask: Tensor | None, ids: Tensor, name: str) -> None:
         )
 
 
+def pad_right(seqs: list, pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Right-pad integer sequences with ``pad_id``: ids ``(B, T)`` and mask ``(B, T)`` (True = real token)."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs])
+    return ids, torch.arange(length)[None, :] < lengths[:, None]
+
+
+def pad_left(prompts: list[list[int]], pad_id: int = 0, device: torch.device | str | None = None):
+    """``ids (B, P)`` with each prompt at the right end, and ``mask (B, P)`` (True = real token), or ``None``
+    as the mask when all prompts have the same length (decoding prompts: every row's newest token is last)."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+    if all(len(p) == P for p in prompts):
+        return ids.to(device), None
+    lengths = torch.tensor([len(p) for p in prompts])
+    mask = torch.arange(P)[None, :] >= (P - lengths)[:, None]  # (B, P)
+    return ids.to(device), mask.to(device)
+
+
 def positions_from_mask(mask: Tensor | None, length: int, past: int, device) -> Tensor:
     """Position of each of the last ``length`` tokens: ``(T,)`` counting from ``past``, or with a padding
     mask ``(B, past+T)`` the count of real tokens before it, so left padding does not shift positions."""

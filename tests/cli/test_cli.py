@@ -97,16 +97,16 @@ def test_train_demo_checks_everything_before_training(tmp_path, capsys, no_train
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--lr", "nan"], "--lr must be a number in (0, 1]; got nan"),
-        (["--lr", "0"], "--lr must be a number in (0, 1]; got 0"),
-        (["--steps", "0"], "--steps must be a positive integer; got 0"),
-        (["--batch-size", "-3"], "--batch-size must be a positive integer; got -3"),
-        (["--seed", "-1"], "--seed must be an integer in [0, 2**63); got -1"),
+        (["--lr", "nan"], "lr must be a finite number (--lr); got nan"),
+        (["--lr", "0"], "lr must be in (0, 1] (--lr; AdamW moves each weight by about lr per step); got 0"),
+        (["--steps", "0"], "steps must be a positive integer (--steps); got 0"),
+        (["--batch-size", "-3"], "batch_size must be a positive integer (--batch-size); got -3"),
+        (["--seed", "-1"], "seed must be an integer in [0, 2**63) (--seed); got -1"),
     ],
 )
 def test_demo_flag_errors_are_one_line(capsys, monkeypatch, flags, message):
-    demo_cli = importlib.import_module("tformer.cli.demo")
-    monkeypatch.setattr(demo_cli, "run_demo", lambda **kwargs: pytest.fail("trained despite a bad flag"))
+    demos = importlib.import_module("tformer.training.demos")
+    monkeypatch.setattr(demos, "run_demo", lambda **kwargs: pytest.fail("trained despite a bad flag"))
     assert main(["demo", *flags]) == 2
     assert _error_line(capsys) == f"tformer demo: error: {message}"
 
@@ -225,7 +225,7 @@ def _fake_checkpoint(out, kind: str, train_config: dict, step: int) -> None:
 
 
 def _demo_config(out) -> dict:
-    from tformer.cli.train import DEMO, DEMO_MODEL
+    from tformer.training.demos import DEMO, DEMO_MODEL
 
     return TrainConfig(out=str(out), model=dict(DEMO_MODEL), **DEMO).to_dict()
 
@@ -278,7 +278,7 @@ def test_train_demo_replaces_its_own_runs(tmp_path, capsys, monkeypatch, earlier
 def _fake_demo(monkeypatch, predicted=(5, 4, 3)) -> None:
     result = DemoResult(accuracy=0.0, final_loss=1.0, steps=1, seconds=0.0,
                         examples=[([3, 4, 5], [5, 4, 3], list(predicted))])  # fmt: skip
-    monkeypatch.setattr(importlib.import_module("tformer.cli.demo"), "run_demo", lambda **kwargs: result)
+    monkeypatch.setattr(importlib.import_module("tformer.training.demos"), "run_demo", lambda **kwargs: result)
 
 
 def test_demo_shows_special_tokens_by_name(capsys, monkeypatch):

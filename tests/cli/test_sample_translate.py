@@ -10,11 +10,11 @@ import torch
 
 from tformer import DecoderLM, TransformerConfig
 from tformer.cli import main
-from tformer.cli.sample import DEFAULT_NEW_TOKENS, TextStream, sample_to, translate_lines
-from tformer.cli.train import sample_text
 from tformer.generation.sampling import generate
 from tformer.generation.seq2seq import beam_search
+from tformer.generation.text import DEFAULT_NEW_TOKENS, TextStream, sample_to, translate_lines
 from tformer.training.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
+from tformer.training.demos import sample_text
 from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 
 # --------------------------------------------------------------------------------------------------
@@ -91,11 +91,11 @@ def test_sample_prompt_messages_say_why_it_has_no_tokens(lm_run):
     ckpt = load_checkpoint(lm_run)
     skipping = SimpleNamespace(model=ckpt.model, tokenizer=CharTokenizer(CHARS, unknown="skip"))
     with pytest.raises(ValueError, match="every character of the --prompt 'ZZZ' is unknown to the tokenizer"):
-        sample_to(io.StringIO(), skipping, "ZZZ", max_new_tokens=3)
+        sample_to(io.StringIO(), skipping.model, skipping.tokenizer, "ZZZ", max_new_tokens=3)
     with pytest.raises(ValueError, match="the prompt is empty; give a non-empty --prompt"):
-        sample_to(io.StringIO(), skipping, "", max_new_tokens=3)
+        sample_to(io.StringIO(), skipping.model, skipping.tokenizer, "", max_new_tokens=3)
     out = io.StringIO()  # known characters survive the skipping
-    assert len(sample_to(out, skipping, "aZb", max_new_tokens=3, greedy=True)) == 3
+    assert len(sample_to(out, skipping.model, skipping.tokenizer, "aZb", max_new_tokens=3, greedy=True)) == 3
     assert out.getvalue().startswith("aZb")
 
 
@@ -196,7 +196,7 @@ def test_cli_translate_prints_one_line_per_input_line(seq2seq_run, capsys, monke
         best = beam_search(ckpt.model, src, None, beam_size=3, length_penalty=1.0, bos_id=1, eos_id=2,
                            max_new_tokens=20)[0]  # fmt: skip
         assert output == tok.decode(best)  # batched (right-padded) equals one by one
-    assert translate_lines(ckpt, lines, beam_size=3, length_penalty=1.0) == printed[:-1]
+    assert translate_lines(ckpt.model, ckpt.tokenizer, lines, beam_size=3, length_penalty=1.0) == printed[:-1]
 
 
 def test_cli_translate_bad_line_is_reported_and_the_others_translated(seq2seq_run, capsys, monkeypatch):
@@ -206,15 +206,15 @@ def test_cli_translate_bad_line_is_reported_and_the_others_translated(seq2seq_ru
     # batches of 2: line 3 is the first of the second batch, line 6 the second of the third
     assert main(["translate", "--checkpoint", str(seq2seq_run), "--batch-size", "2"]) == 1
     printed = capsys.readouterr()
-    good = translate_lines(ckpt, ["abc", "hello", "zyx", "wv"])
+    good = translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "hello", "zyx", "wv"])
     assert all(good) and printed.out.split("\n") == [good[0], good[1], "", good[2], "", "", good[3], ""]
     errors = printed.err.splitlines()
     assert [e.split(":")[:2] for e in errors] == [["tformer translate", " line 3"], ["tformer translate", " line 6"]]
     assert "'C'" in errors[0] and "'9'" in errors[1]
     with pytest.raises(ValueError, match="'C'"):  # the function alone raises, unless given on_error
-        translate_lines(ckpt, ["abc", "ab C"])
+        translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "ab C"])
     seen = []
-    assert translate_lines(ckpt, ["ab C", "abc"], on_error=lambda i, e: seen.append(i)) == ["", good[0]]
+    assert translate_lines(ckpt.model, ckpt.tokenizer, ["ab C", "abc"], on_error=lambda i, e: seen.append(i)) == ["", good[0]]
     assert seen == [0]
     monkeypatch.setattr(sys, "stdin", io.StringIO("abc\nzyx\n"))
     assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 0  # every line translated: exit code 0
@@ -242,7 +242,7 @@ class _Stdin:
 
 
 def test_cli_translate_invalid_utf8_fails_only_its_line(seq2seq_run, capsys, monkeypatch):
-    good = translate_lines(load_checkpoint(seq2seq_run), ["abc", "zyx", "hello"])
+    good = translate_lines(*_model_and_tokenizer(seq2seq_run), ["abc", "zyx", "hello"])
     data = b"abc\n\xe9\xff12\nzyx\r\nab C\nab\xc3\n\nhello"  # no final line end
     for tty in (False, True):
         monkeypatch.setattr(sys, "stdin", _Stdin(data, tty))
@@ -294,9 +294,9 @@ def test_translate_line_longer_than_learned_positions_is_one_failed_line(random_
     model = random_seq2seq(vocab=tok.vocab_size, seed=3, dtype=torch.float32, position="learned", max_seq_len=8)
     ckpt = SimpleNamespace(model=model, tokenizer=tok)
     failed = []
-    out = translate_lines(ckpt, ["abc", "abcdefghij", "ab"], on_error=lambda i, e: failed.append((i, str(e))))
+    out = translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "abcdefghij", "ab"], on_error=lambda i, e: failed.append((i, str(e))))
     assert failed == [(1, "the line is 10 tokens long, more than the model's max_seq_len=8 learned positions")]
-    assert out[1] == "" and out[::2] == translate_lines(ckpt, ["abc", "ab"])
+    assert out[1] == "" and out[::2] == translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "ab"])
 
 
 @pytest.mark.parametrize(
@@ -318,11 +318,11 @@ def test_cli_translate_bad_flags_are_errors_before_loading(flags, message, tmp_p
 
 def test_translate_max_new_tokens_none_is_max_seq_len_and_0_is_an_error(seq2seq_run):
     ckpt = load_checkpoint(seq2seq_run)  # max_seq_len 20
-    full = translate_lines(ckpt, ["hello world"], max_new_tokens=None)
-    assert full == translate_lines(ckpt, ["hello world"], max_new_tokens=20)
-    assert len(translate_lines(ckpt, ["hello world"], max_new_tokens=2)[0]) <= 2
+    full = translate_lines(ckpt.model, ckpt.tokenizer, ["hello world"], max_new_tokens=None)
+    assert full == translate_lines(ckpt.model, ckpt.tokenizer, ["hello world"], max_new_tokens=20)
+    assert len(translate_lines(ckpt.model, ckpt.tokenizer, ["hello world"], max_new_tokens=2)[0]) <= 2
     with pytest.raises(ValueError, match="max_new_tokens"):
-        translate_lines(ckpt, ["hello world"], max_new_tokens=0)
+        translate_lines(ckpt.model, ckpt.tokenizer, ["hello world"], max_new_tokens=0)
 
 
 def test_cli_errors_are_reported_not_raised(lm_run, seq2seq_run, capsys, tmp_path):
@@ -368,4 +368,9 @@ def test_cli_end_to_end_in_a_subprocess(lm_run, seq2seq_run):
     run = subprocess.run([sys.executable, "-m", "tformer", "translate", "--checkpoint", str(seq2seq_run)],
                          input="abc\nhello\n", capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == translate_lines(load_checkpoint(seq2seq_run), ["abc", "hello"])
+    assert run.stdout.splitlines() == translate_lines(*_model_and_tokenizer(seq2seq_run), ["abc", "hello"])
+
+
+def _model_and_tokenizer(run):
+    ckpt = load_checkpoint(run)
+    return ckpt.model, ckpt.tokenizer

@@ -148,7 +148,7 @@ def test_layernorm_gradients_at_init_have_the_documented_direction():
 
 
 def test_attention_maps_cross_attention_learns_the_anti_diagonal():
-    r = attention_maps.run(steps=1000, max_len=6, d_model=32, num_heads=2, num_layers=1, d_ff=64, held_out=50)
+    r = attention_maps.run(steps=1000, max_len=6, d_model=32, num_heads=2, num_layers=1, d_ff=64, held_out=200)
     assert r.cross.shape == (1, 2, 7, 6) and r.decoder_self.shape == (1, 2, 7, 7)
     assert max(max(heads) for heads in r.anti_diagonal) > 0.5  # measured ~0.95 for the best head
     assert r.best_anti_diagonal > 2 / 6  # heads averaged, twice uniform (measured ~0.69)

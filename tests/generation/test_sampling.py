@@ -10,11 +10,11 @@ from tformer.generation.sampling import (
     apply_temperature,
     filter_logits,
     generate,
-    left_pad,
     sample,
     top_k_filter,
     top_p_filter,
 )
+from tformer.models import pad_left
 from tformer.training.tokenizers import CharTokenizer
 
 POSITIONS = ["sinusoidal", "rotary", "learned", "none"]
@@ -110,7 +110,7 @@ def test_generated_tokens_stay_inside_the_truncated_set(random_lm, random_prompt
 def test_cached_logits_equal_uncached_during_generation(random_lm, random_prompts, position):
     model = random_lm(position)
     prompts = random_prompts([6, 3, 9], seed=2)
-    ids, mask = left_pad(prompts, pad_id=0)
+    ids, mask = pad_left(prompts, pad_id=0)
     with torch.no_grad():
         cached = IncrementalLM(model, ids, mask, max_new_tokens=12)
         full = IncrementalLM(model, ids, mask, max_new_tokens=12, use_cache=False)
@@ -346,7 +346,7 @@ def _window_spans(prompt_len, steps, W):
 def test_window_restarts_cached_equal_uncached_equal_each_rows_own_window(random_lm, random_prompts, lengths, W):
     model = random_lm("learned", max_seq_len=W)
     prompts = random_prompts(lengths, seed=12)
-    ids, mask = left_pad(prompts, pad_id=0)
+    ids, mask = pad_left(prompts, pad_id=0)
     steps = 30
     with torch.no_grad():
         cached = IncrementalLM(model, ids, mask, max_new_tokens=steps)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tformer.training.tokenizers import (
     SEQ2SEQ_SPECIALS,
-    UNK,
+    UNK_TOKEN,
     BPETokenizer,
     ByteTokenizer,
     CharTokenizer,
@@ -78,7 +78,7 @@ def test_char_tokenizer_is_built_from_the_corpus():
 
 def test_char_unknown_policies():
     unk = CharTokenizer.train(["ab"], unknown="unk")
-    assert unk.specials == (UNK,)
+    assert unk.specials == (UNK_TOKEN,)
     assert unk.encode("axb") == [1, 0, 2]
     assert unk.decode(unk.encode("axb")) == "a\ufffdb"
     skip = CharTokenizer.train(["ab"], unknown="skip")

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from tformer.cli import build_parser
-from tformer.cli.train import config_from_args, sample_text
+from tformer.cli.train import config_from_args
 from tformer.training import TrainConfig, TrainingError, run_lock, train
 from tformer.training.checkpoint import CheckpointError, find_latest, load_checkpoint, read_manifest
+from tformer.training.demos import sample_text
+from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.runtime import resolve_device
-from tformer.training.trainer import lr_at, make_optimizer
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tiny_run, tmp_path, corpus):
@@ -224,7 +225,7 @@ def test_resume_mid_window_logs_what_a_straight_run_logs(tiny_run, tmp_path, cor
         (dict(seed=-1), r"^seed must be an integer in \[0, 2\*\*63\) \(--seed\); got -1$"),
         (dict(seed=2**63), r"^seed must be an integer in \[0, 2\*\*63\) \(--seed\); got 9223372036854775808$"),
         (dict(keep=0), r"^keep must be a positive integer \(--keep\); got 0$"),
-        (dict(task_held_out=0), r"^task_held_out must be a positive integer; got 0$"),  # no flag: none is named
+        (dict(task_held_out=0), r"^task_held_out must be a positive integer \(--task-held-out\); got 0$"),
         (dict(batch_size=7, grad_accum=2),
          r"^batch_size=7 must divide evenly into grad_accum=2 micro-batches \(--batch-size, --grad-accum\)$"),
         (dict(model=dict(num_heads=3)),
@@ -235,7 +236,7 @@ def test_resume_mid_window_logs_what_a_straight_run_logs(tiny_run, tmp_path, cor
          r"^TransformerConfig.dropout must be in \[0, 1\); got nan \(--dropout\)$"),
         (dict(model=dict(position="learned", max_seq_len=8)),
          r"model max_seq_len=8 is shorter than the 16 positions"),
-        (dict(betas=5), r"^betas must be two numbers; got 5$"),
+        (dict(betas=5), r"^betas must be two numbers \(--betas\); got 5$"),
         (dict(data=5), r"^data must be a path \(--data\); got 5$"),
         (dict(model="x"), r"^model must be a dict of TransformerConfig fields; got 'x'$"),
     ],
@@ -262,7 +263,7 @@ def test_devices_are_checked(monkeypatch):
 
 
 def test_divergence_stops_before_saving_broken_weights(tiny_run, tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.training.trainer")
+    module = importlib.import_module("tformer.training.losses")
     calls = []
     real = module.lm_loss_sum
 
@@ -298,7 +299,7 @@ class _NanGradient(torch.autograd.Function):
 
 
 def test_weights_broken_by_the_update_of_a_save_step_are_not_saved(tiny_run, tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.training.trainer")
+    module = importlib.import_module("tformer.training.losses")
     calls = []
     real = module.lm_loss_sum
 
@@ -390,12 +391,19 @@ def test_flags_that_apply_are_accepted():
         config_from_args(build_parser().parse_args(["train", "--out", "x", *flags]))
 
 
-def test_every_train_config_field_has_a_type_check():
-    from dataclasses import fields
+def test_every_train_config_field_is_typed_documented_and_checked():
+    """Types come from the annotations: every field's default fits its own annotation, a value of another type is
+    caught, and every field says what it does (its flag's help)."""
+    from dataclasses import MISSING, fields
 
-    from tformer.training.config import FIELD_TYPES
+    from tformer.training.settings import field_types, info, matches, type_problem
 
-    assert sorted(FIELD_TYPES) == sorted(f.name for f in fields(TrainConfig))
+    types = field_types(TrainConfig)
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        assert matches(default, types[f.name]), f.name
+        assert type_problem(f, types[f.name], object()) is not None, f.name
+        assert info(f).help and info(f).group, f.name
     TrainConfig(out="x").validate()  # the defaults pass their own checks
 
 
@@ -423,14 +431,14 @@ def test_ctrl_c_before_training_removes_the_out_it_created(tiny_run, tmp_path, c
     def interrupted(*args):
         raise KeyboardInterrupt  # a second Ctrl-C during tokenization
 
-    monkeypatch.setattr(module, "_prepare_data", interrupted)
+    monkeypatch.setattr(module, "prepare_data", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_run())
     assert not (tmp_path / "run").exists()
 
 
 def test_a_run_that_logged_steps_keeps_its_out_when_it_fails(tiny_run, tmp_path, corpus, monkeypatch):
-    module = importlib.import_module("tformer.training.trainer")
+    module = importlib.import_module("tformer.training.losses")
     calls = []
     real = module.lm_loss_sum
 
@@ -500,7 +508,7 @@ def test_a_run_trained_with_triton_resumes_on_the_cpu(tmp_path, corpus, monkeypa
         ("model", "x", r"malformed train_config: model must be a dict of TransformerConfig fields; got 'x'$"),
         ("model", {"num_heads": "x"}, r"malformed train_config: model: TransformerConfig.num_heads must be a positive "
                                       r"integer; got 'x' \(--heads\)$"),
-        ("betas", 5, r"malformed train_config: betas must be two numbers; got 5$"),
+        ("betas", 5, r"malformed train_config: betas must be two numbers \(--betas\); got 5$"),
         ("data", 5, r"malformed train_config: data must be a path \(--data\); got 5$"),
         ("warmup", "many", r"malformed train_config: warmup must be an integer \(--warmup\); got 'many'$"),
     ],

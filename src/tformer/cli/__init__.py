@@ -29,6 +29,7 @@ COMMAND_MODULES = [
     "tformer.cli.claims",
     "tformer.cli.experiments",
     "tformer.cli.sample",
+    "tformer.cli.translate",
 ]
 DESCRIPTION = "The tformer command line: train, sample and study Transformers. tformer COMMAND --help lists its flags."
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"

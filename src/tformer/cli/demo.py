@@ -1,7 +1,9 @@
-"""``tformer demo``: train the encoder-decoder on a built-in sequence task and report accuracy.
+"""``tformer train-demo`` (the main job of ``make demo``) and ``tformer demo``: thin skins over
+:mod:`tformer.training.demos`.
 
-(``add`` is left out: ``format_result`` prints each symbol as a digit, so its ``+`` would print as 10, and the demo
-has no flag to keep the 16-digit operands short; ``tformer train --task add --task-max-len 3`` trains addition.)
+Their training flags are TrainConfig fields (:mod:`tformer.cli.flags`, with the demos' defaults); the sampling flags
+of ``train-demo`` are checked by the sampling code. ``demo`` leaves out the ``add`` task: its example lines print
+each symbol as a digit, so ``+`` would print as 10 (``tformer train --task add --task-max-len 3`` trains addition).
 """
 
 from __future__ import annotations
@@ -9,44 +11,98 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
+from pathlib import Path
 
-from tformer.training.demos import format_result, run_demo
-from tformer.training.tasks import SequenceTask
+from tformer.cli.flags import add_train_flags, given_settings
+from tformer.training import demos
+from tformer.training.checkpoint import CheckpointError
+from tformer.training.runtime import TrainingError
+
+EXIT_INTERRUPTED = 130
+DEMO_TASKS = ["reverse", "sort", "copy"]
 
 
 def add_cli(subparsers) -> None:
+    d = subparsers.add_parser("train-demo", help="the main job: a small GPT on the Python stdlib (~3 min on 2 cores)")
+    d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced each time)")
+    add_train_flags(d, only=("steps", "progress"), defaults=demos.DEMO)
+    d.add_argument("--prompt", default="def ", help="the start of the sample")
+    d.add_argument("--sample-tokens", type=int, default=400, help="bytes to sample (default 400)")
+    d.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, > 0 (default 0.8)")
+    d.add_argument("--plot-copy", default=None, help="also copy loss.png here (e.g. docs/demo_loss.png)")
+    d.set_defaults(func=_run_train_demo)
+
     p = subparsers.add_parser(
         "demo",
         help="train a small encoder-decoder to reverse sequences (about a minute)",
         description="Train a small encoder-decoder (2+2 layers, d_model 64) on a built-in task of digit sequences "
         "and report its exact-match accuracy on held-out sequences.",
     )
-    p.add_argument("--task", default="reverse", choices=["reverse", "sort", "copy"], help="default reverse")
-    p.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
-    p.add_argument("--batch-size", type=int, default=64, help="sequences per step (default 64)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate, in (0, 1] (default 2e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and held-out set (default 0)")
-    p.set_defaults(func=_run)
+    p.add_argument("--task", default="reverse", choices=DEMO_TASKS, help="default reverse")
+    add_train_flags(p, only=("steps", "batch_size", "lr", "seed"), defaults=dict(steps=1500, batch_size=64, lr=2e-3))
+    p.set_defaults(func=_run_demo)
 
 
-def _check(args: argparse.Namespace) -> None:
-    """``ValueError`` naming the first bad flag (before a minute of training is spent)."""
-    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size)):
-        if value < 1:
-            raise ValueError(f"{flag} must be a positive integer; got {value}")
-    if not (math.isfinite(args.lr) and 0 < args.lr <= 1):  # AdamW moves each weight by about lr per step
-        raise ValueError(f"--lr must be a number in (0, 1]; got {args.lr:g}")
-    if not 0 <= args.seed < 2**63:  # the range `tformer train --seed` takes (numpy's generators take no negative seed)
-        raise ValueError(f"--seed must be an integer in [0, 2**63); got {args.seed}")
-
-
-def _run(args: argparse.Namespace) -> int:
+def _errors(command: str, run) -> int:
     try:
-        _check(args)
-    except ValueError as err:
-        print(f"tformer demo: error: {err}", file=sys.stderr)
+        return run()
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as err:
+        print(f"tformer {command}: error: {err}", file=sys.stderr)
         return 2
-    result = run_demo(task=SequenceTask(args.task), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                      seed=args.seed)  # fmt: skip
-    print(format_result(result))
-    return 0
+    except TrainingError as err:
+        print(f"tformer {command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _run_train_demo(args: argparse.Namespace) -> int:
+    return _errors("train-demo", lambda: _train_demo(args))
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    import shutil
+
+    from tformer.cli.train import summary
+    from tformer.training.checkpoint import load_checkpoint
+    from tformer.training.trainer import train
+
+    # Every setting is checked before the stale run is removed and before training.
+    if args.sample_tokens < 1:
+        raise ValueError(f"--sample-tokens must be a positive integer; got {args.sample_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ValueError(f"--temperature must be a finite number > 0; got {args.temperature:g}")
+    if args.plot_copy is not None and Path(args.plot_copy).is_dir():
+        raise ValueError(f"--plot-copy {args.plot_copy} is a directory; give a file name such as demo_loss.png")
+    given, _ = given_settings(args)
+    cfg = demos.demo_config(args.out, given.get("steps", demos.DEMO["steps"]), given.get("progress", True))
+    cfg.validate()
+    out = Path(args.out)
+    demos.clear_demo_run(out, cfg)
+    model = demos.DEMO_MODEL
+    print(f"training a {model['num_layers']}-layer GPT (d_model {model['d_model']}, context {cfg.block_size} bytes) on "
+          f"the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves")  # fmt: skip
+    start = time.perf_counter()
+    result = train(cfg)
+    print(summary(result))
+    ckpt = load_checkpoint(out)
+    text = demos.sample_text(ckpt.model, ckpt.tokenizer, args.prompt, args.sample_tokens, args.temperature)
+    print(f"\nsample (temperature {args.temperature}, prompt {args.prompt!r}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+    print(f"total {time.perf_counter() - start:.0f} s; loss plot: {out / 'loss.png'}")
+    if args.plot_copy and (out / "loss.png").exists():
+        Path(args.plot_copy).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "loss.png", args.plot_copy)
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    def run() -> int:
+        given, _ = given_settings(args)
+        settings = dict(steps=1500, batch_size=64, lr=2e-3, seed=0)
+        settings.update({k: v for k, v in given.items() if k in settings})
+        demos.reverse_config(args.task, **settings).validate()  # every flag, before a minute of training
+        result = demos.run_demo(task=args.task, **settings)
+        print(demos.format_result(result))
+        return 0
+
+    return _errors("demo", run)
+

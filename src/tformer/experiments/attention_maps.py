@@ -4,19 +4,19 @@ Claim (source, Q3(c)): "1. Encoder self-attention: Q, K, V all from the encoder 
 self-attention: Q, K, V all from the (partial) decoder sequence, causally masked. 3. Encoder-decoder
 cross-attention: Q from the decoder, K and V from the encoder output."
 
-Measured on a :class:`tformer.EncoderDecoder` trained on the built-in ``reverse`` task (teacher forcing, the
-warmup-cosine schedule of :mod:`tformer.training.demos`): forward pre-hooks record what each attention layer receives
+Measured on a :class:`tformer.EncoderDecoder` trained on the built-in ``reverse`` task by :func:`tformer.train` (the
+settings of ``tformer demo``, :func:`tformer.training.demos.reverse_config`, at smaller sizes): forward pre-hooks record what each attention layer receives
 (checking that the cross-attention's keys/values come from the encoder output), and the weights are recomputed
 from the layer's own projections with :func:`tformer.functional.attention_weights`. On held-out sources of
 length S, decoder position i (reading ``BOS y_1 .. y_i``) predicts ``y_{i+1} = x_{S-1-i}``, so a cross-attention
 that has learned the task puts its mass on the anti-diagonal ``(i, S-1-i)``: the fraction of mass there is the
-figure. The decoder self-attention's mass on future positions must be exactly 0.
+figure, averaged over the held-out sources of length S (never trained on). The decoder self-attention's mass on
+future positions must be exactly 0.
 """
 
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tformer.config import TransformerConfig
 from tformer.experiments._common import Table, fmt, layer_attention_probs, new_figure, save_figure, single_thread
 from tformer.layers import MultiHeadAttention
 from tformer.models import EncoderDecoder
-from tformer.training.demos import evaluate, train_seq2seq
-from tformer.training.tasks import PAD, SequenceTask
+from tformer.training.datasets import task_held_out
+from tformer.training.demos import reverse_config
+from tformer.training.tasks import SequenceTask
+from tformer.training.trainer import train
 
 QUESTION = "Q3(c)"
 TITLE = "The three attentions of an encoder-decoder"
@@ -39,8 +40,8 @@ CLAIM = (
     "output. (Trained to reverse a sequence, target position i should attend source position S-1-i.)"
 )
 SIZES: dict[str, dict] = {
-    "quick": dict(steps=300, max_len=6, d_model=32, num_heads=2, num_layers=1, d_ff=64, held_out=100),
-    "report": dict(steps=1200, max_len=8, d_model=64, num_heads=4, num_layers=2, d_ff=256, held_out=300),
+    "quick": dict(steps=300, max_len=6, d_model=32, num_heads=2, num_layers=1, d_ff=64, held_out=400),
+    "report": dict(steps=1200, max_len=8, d_model=64, num_heads=4, num_layers=2, d_ff=256, held_out=600),
 }
 
 
@@ -176,47 +177,35 @@ def anti_diagonal_mass(cross: Tensor) -> Tensor:
 def run(
     steps: int = 1000,
     max_len: int = 6,
-    num_symbols: int = 10,
     d_model: int = 32,
     num_heads: int = 2,
     num_layers: int = 1,
     d_ff: int = 64,
     batch_size: int = 64,
     lr: float = 3e-3,
-    held_out: int = 100,
+    held_out: int = 400,
     seed: int = 0,
 ) -> AttentionMapsResult:
-    """Train on ``reverse`` (source lengths ``1..max_len``); measure the maps on held-out sources of length max_len."""
-    task = SequenceTask("reverse", num_symbols=num_symbols, min_len=1, max_len=max_len)
-    cfg = TransformerConfig(
-        vocab_size=task.vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff,
-        max_seq_len=task.max_target_len, position="sinusoidal", norm_first=True, pad_id=PAD,
-    )  # fmt: skip
-    test_sources = task.held_out(held_out, seed=seed + 1)
-    fixed = SequenceTask("reverse", num_symbols=num_symbols, min_len=max_len, max_len=max_len)
-    map_sources = fixed.held_out(64, seed=seed + 2)  # all of length S: no padding
-    start = time.perf_counter()
+    """Train on ``reverse`` (source lengths ``1..max_len``, ``held_out`` sources held out); measure the maps on the
+    held-out sources of length max_len."""
+    model = dict(d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff)
+    cfg = reverse_config("reverse", steps=steps, batch_size=batch_size, lr=lr, seed=seed, held_out=held_out,
+                         max_len=max_len, model=model, progress=False)  # fmt: skip
     with single_thread():
-        model, final_loss = train_seq2seq(
-            task,
-            cfg,
-            steps=steps,
-            batch_size=batch_size,
-            lr=lr,
-            seed=seed,
-            exclude=set(test_sources) | set(map_sources),
-        )
-        seconds = time.perf_counter() - start
-        accuracy, _ = evaluate(model, task, test_sources)
+        result = train(cfg)
+    fixed = SequenceTask("reverse", min_len=max_len, max_len=max_len)
+    map_sources = [s for s in task_held_out(cfg) if len(s) == max_len]  # all of length S: no padding
+    if not map_sources:
+        raise ValueError(f"no held-out source has {max_len} symbols; raise held_out (now {held_out})")
     src, _, tgt, _ = fixed.collate(map_sources)
-    maps = attention_maps(model, src, tgt[:, :-1])  # decoder reads BOS y_1 .. y_S
+    maps = attention_maps(result.model, src, tgt[:, :-1])  # decoder reads BOS y_1 .. y_S
     cross = torch.stack([m.mean(0) for m in maps["cross"]])  # (layers, H, S+1, S)
     decoder_self = torch.stack([m.mean(0) for m in maps["decoder_self"]])  # (layers, H, S+1, S+1)
     future = torch.triu(torch.ones(max_len + 1, max_len + 1, dtype=torch.bool), 1)
     context_error = max(float((c - maps["memory"]).abs().max()) for c in maps["cross_context"])
     return AttentionMapsResult(
-        steps=steps, seconds=seconds, final_loss=final_loss, accuracy=accuracy, seq_len=max_len,
-        encoder_self=torch.stack([m.mean(0) for m in maps["encoder_self"]]),
+        steps=steps, seconds=result.seconds, final_loss=result.final_loss, accuracy=result.val_accuracy,
+        seq_len=max_len, encoder_self=torch.stack([m.mean(0) for m in maps["encoder_self"]]),
         decoder_self=decoder_self, cross=cross,
         anti_diagonal=anti_diagonal_mass(cross).tolist(),
         anti_diagonal_head_mean=anti_diagonal_mass(cross.mean(1)).tolist(),

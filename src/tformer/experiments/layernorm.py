@@ -12,14 +12,16 @@ matrices of the 2017 paper and of Xiong et al. (2020, "On Layer Normalization in
 1. At initialization, the gradient norm of each block's FFN output matrix W_2 for a random next-token batch, at
    several depths (as tests/test_layers.py; Xiong et al. Fig. 3): its growth from the bottom block to the top one,
    its max/min spread, and Post-LN's top-layer gradient over Pre-LN's.
-2. Training a small character LM on the source text of Python's ``argparse`` module (Adam, a constant learning
-   rate, with or without a linear warmup) for both placements: the loss curves, as they come.
+2. Training a small byte-level LM on the source text of Python's ``argparse`` module with :func:`tformer.train`
+   (Adam, a constant learning rate, with or without a linear warmup) for both placements: the loss curves, as they
+   come.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,11 +29,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from tformer.config import TransformerConfig
 from tformer.experiments._common import Table, fmt, new_figure, save_figure, single_thread
 from tformer.models import DecoderLM
+from tformer.training.config import TrainConfig
+from tformer.training.runtime import TrainingError
+from tformer.training.trainer import train
 
 QUESTION = "Q3(b)"
 TITLE = "Pre-LN vs Post-LN"
@@ -44,7 +49,6 @@ SIZES: dict[str, dict] = {
     "quick": dict(depths=(6, 12), train_depths=(2,), steps=30, warmup_steps=10),
     "report": dict(depths=(6, 12, 24), train_depths=(6, 12), steps=200, warmup_steps=50),
 }
-VOCAB = 128  # ASCII characters
 PLACEMENTS = {"Pre-LN": True, "Post-LN": False}
 
 
@@ -75,47 +79,24 @@ def init_gradient_norms(
     return [float(block.ff.down.weight.grad.norm()) for block in model.decoder.stack.blocks]
 
 
-def training_text() -> Tensor:
-    """The characters of ``argparse.py`` from the standard library as ASCII ids ``(N,)`` (others -> ``?``)."""
-    with open(argparse.__file__, encoding="utf-8") as f:
-        text = f.read()
-    return torch.tensor(list(text.encode("ascii", errors="replace")), dtype=torch.long)
-
-
-def train_curve(
-    data: Tensor,
-    norm_first: bool,
-    num_layers: int,
-    warmup_steps: int,
-    steps: int,
-    lr: float = 1e-3,
-    d_model: int = 64,
-    batch: int = 16,
-    seq_len: int = 64,
-    seed: int = 0,
-) -> list[float]:
-    """Training loss at every step of a character LM on ``data``; lr rises linearly over ``warmup_steps``
-    (0 = none) and then stays constant, so the only difference between runs is the warmup."""
-    torch.manual_seed(seed)
-    model = DecoderLM(_config(num_layers, norm_first, d_model, VOCAB, seq_len))
-    _xavier_(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98))
-    gen = torch.Generator().manual_seed(seed)  # the same batches for every run
-    losses = []
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
-        starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
-        window = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])  # (B, T+1)
-        logits = model(window[:, :-1])  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            break  # diverged: the curve ends here
-    return losses
+def train_curve(norm_first: bool, num_layers: int, warmup_steps: int, steps: int, lr: float = 1e-3,
+                d_model: int = 64, batch: int = 16, seq_len: int = 64, seed: int = 0) -> list[float]:  # fmt: skip
+    """Training loss at every step of a byte-level LM on the source of ``argparse.py``, trained by
+    :func:`tformer.train` from Xavier matrices: Adam (AdamW without decay), no clipping, lr rising linearly over
+    ``warmup_steps`` (0 = none) and then constant (``min_lr = lr``), so the only difference between runs is the
+    warmup. A run that diverges ends its curve with NaN."""
+    model = dict(d_model=d_model, num_heads=4, d_ff=4 * d_model, num_layers=num_layers, norm_first=norm_first,
+                 position="sinusoidal", activation="relu")  # fmt: skip
+    with tempfile.TemporaryDirectory() as cache:  # the token cache of this small file, not the user's
+        cfg = TrainConfig(out=None, data=argparse.__file__, tokenizer="byte", block_size=seq_len, batch_size=batch,
+                          steps=steps, lr=lr, min_lr=lr, warmup=warmup_steps, weight_decay=0.0, betas=(0.9, 0.98),
+                          grad_clip=0.0, eval_every=0, eval_batches=1, seed=seed, model=model, cache_dir=cache,
+                          progress=False)  # fmt: skip
+        try:
+            losses = train(cfg, init=_xavier_).losses
+        except TrainingError as err:  # diverged: the curve ends here
+            return [err.losses[s] for s in sorted(err.losses)] + [math.nan]
+    return [losses[s] for s in sorted(losses)]
 
 
 @dataclass
@@ -291,11 +272,10 @@ def run(
 ) -> LayerNormResult:
     """Gradient norms at init for each depth in ``depths``; training curves for each depth in ``train_depths``."""
     grad_norms = {p: {d: init_gradient_norms(nf, d, seed=seed) for d in depths} for p, nf in PLACEMENTS.items()}
-    data = training_text()
     start = time.perf_counter()
     with single_thread():
         curves = {
-            (p, warm, depth): train_curve(data, nf, depth, warmup_steps if warm else 0, steps, lr, seed=seed)
+            (p, warm, depth): train_curve(nf, depth, warmup_steps if warm else 0, steps, lr, seed=seed)
             for depth in train_depths
             for p, nf in PLACEMENTS.items()
             for warm in (False, True)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from tformer.generation.stopping import Stopper, TextDecoder
-from tformer.models import DecoderLM
+from tformer.models import DecoderLM, pad_left
 
 NEG_INF = float("-inf")
 
@@ -253,20 +253,6 @@ class IncrementalLM:
         return self.prefill()
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str | None = None):
-    """``ids (B, P)`` with each prompt at the right end, and ``mask (B, P)`` (True = real token), or ``None``
-    as the mask when all prompts have the same length."""
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-    if all(len(p) == P for p in prompts):
-        return ids.to(device), None
-    lengths = torch.tensor([len(p) for p in prompts])
-    mask = torch.arange(P)[None, :] >= (P - lengths)[:, None]  # (B, P)
-    return ids.to(device), mask.to(device)
-
-
 def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int) -> list[list[int]]:
     if isinstance(prompt_ids, Tensor):
         if prompt_ids.dim() != 2 or prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
@@ -372,7 +358,7 @@ def generate(
     if max_new_tokens == 0:
         return outputs
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, cfg.pad_id or 0, device)
+    ids, mask = pad_left(prompts, cfg.pad_id or 0, device)
     rule = SamplingRule(temperature, top_k, top_p, greedy, _generators(seeds, device))
     was_training = model.training
     model.eval()

@@ -14,7 +14,8 @@ Modules, in the order a run uses them:
 
 from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from tformer.training.config import TrainConfig, TrainResult
-from tformer.training.runtime import TrainingError, run_lock
+from tformer.training.rundir import run_lock
+from tformer.training.runtime import TrainingError
 from tformer.training.trainer import train
 
 __all__ = ["Checkpoint", "CheckpointError", "TrainConfig", "TrainResult", "TrainingError", "load_checkpoint",

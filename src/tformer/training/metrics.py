@@ -55,3 +55,31 @@ def plot_loss(records: list[dict[str, Any]], png: str | os.PathLike, title: str 
     fig.savefig(tmp)
     os.replace(tmp, png)
     return png
+
+
+class MetricsLog:
+    """``OUT/metrics.jsonl``, one JSON record per line, flushed as written (rank 0 of a run writes it).
+
+    On resume from step ``start`` the records of steps after it are dropped (they are redone), and so is the loss
+    record of a stop between log boundaries (``mid_window``): the window it averaged goes on, and the next record
+    covers the steps it would have.
+    """
+
+    def __init__(self, path: Path, *, start: int = 0, mid_window: bool = False) -> None:
+        self.path = path
+        kept = [r for r in read_metrics(path) if r.get("step", 0) < start
+                or (r.get("step") == start and not (mid_window and "loss" in r))] if start else []  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115  (closed by close())
+
+    def record(self, entry: dict[str, Any]) -> None:
+        self._file.write(json.dumps(entry) + "\n")
+        self._file.flush()
+
+    def close(self, title: str) -> None:
+        """Close the file and draw the loss plot next to it (``loss.png``)."""
+        self._file.close()
+        plot_loss(read_metrics(self.path), self.path.parent / "loss.png", title=title)

@@ -6,24 +6,23 @@ Nothing here knows about models or data; :mod:`tformer.training` uses these piec
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
 import signal
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-LOCK_FILE = ".lock"  # OUT/.lock: held (flock) by the process writing to OUT
-
 
 class TrainingError(RuntimeError):
-    """Training cannot go on: the loss diverged, or another run is writing to the run directory."""
+    """Training cannot go on: the loss diverged, or another run is writing to the run directory. ``losses``: the
+    training loss of each step run before it stopped (a diverged run's curve up to its end)."""
+
+    def __init__(self, message: str, *, losses: dict[int, float] | None = None) -> None:
+        super().__init__(message)
+        self.losses = losses or {}
 
 
 @dataclass
@@ -98,32 +97,6 @@ def all_ranks_agree(world: World, device: torch.device, ok: bool) -> bool:
     return flag.item() == 0
 
 
-@contextlib.contextmanager
-def run_lock(out: str | os.PathLike):
-    """Hold an exclusive lock on ``OUT/.lock`` (creating ``OUT``) while the body runs; a run already holding it
-    makes this raise :class:`TrainingError` at once. The OS drops the lock when the process ends, even on kill -9.
-    (No-op where ``fcntl`` is missing, i.e. on Windows.)"""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(out / LOCK_FILE, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "unknown"
-            raise TrainingError(f"another tformer run is writing to {out} (pid {pid}); wait for it or choose "
-                                "another --out") from None  # fmt: skip
-        f.truncate(0)  # "a+" writes at the end: the file now holds just our pid
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        yield  # closing the file releases the lock
-
-
 class StopFlag:
     """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one interrupts."""
 
@@ -145,24 +118,3 @@ class StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()  # noqa: NPY002  (the global state user code may rely on)
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, key, *rest = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))  # noqa: NPY002
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

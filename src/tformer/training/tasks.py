@@ -1,7 +1,7 @@
-"""Sequence-to-sequence tasks: built-in ones generated on the fly, and source/target pairs from a TSV file.
+"""The built-in sequence-to-sequence tasks, generated on the fly.
 
 Every built-in task maps a source sequence of symbols to a target sequence over one shared vocabulary:
-``PAD=0, BOS=1, EOS=2`` then the task's symbols (``alphabet``: symbol ``i`` is character ``alphabet[i]`` and
+``<pad>=0, <bos>=1, <eos>=2`` (:data:`tformer.training.tokenizers.SEQ2SEQ_SPECIALS`) then the task's symbols (``alphabet``: symbol ``i`` is character ``alphabet[i]`` and
 id ``3 + i``). Sequences are drawn from a seeded generator, and a held-out set is kept out of training so
 accuracy is measured on sequences the model never saw.
 
@@ -11,16 +11,16 @@ addition: ``"123+45" -> "168"``; operands of ``min_len..max_len`` digits, alphab
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-PAD, BOS, EOS = 0, 1, 2
-SPECIALS = 3
+from tformer.models import pad_right
+from tformer.training.tokenizers import BOS_ID, EOS_ID, SEQ2SEQ_SPECIALS
+
+SPECIALS = len(SEQ2SEQ_SPECIALS)  # the task's symbols start after <pad>, <bos>, <eos>
 
 
 def _reverse(seq: list[int]) -> list[int]:
@@ -160,53 +160,7 @@ class SequenceTask:
         return self.collate(sources)
 
     def collate(self, sources: list[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        targets = [[BOS, *self.target(s), EOS] for s in sources]
-        src, src_mask = pad(sources)
-        tgt, tgt_mask = pad(targets)
+        targets = [[BOS_ID, *self.target(s), EOS_ID] for s in sources]
+        src, src_mask = pad_right(sources)
+        tgt, tgt_mask = pad_right(targets)
         return src, src_mask, tgt, tgt_mask
-
-
-def pad(seqs: list, pad_id: int = PAD) -> tuple[Tensor, Tensor]:
-    """Right-pad integer sequences with ``pad_id``: ids ``(B, T)`` and mask ``(B, T)`` (True = real token)."""
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    lengths = torch.tensor([len(s) for s in seqs])
-    return ids, torch.arange(length)[None, :] < lengths[:, None]
-
-
-def check_pairs_file(path: str | os.PathLike) -> Path:
-    """``path`` as a ``Path`` if it is a regular file: ``FileNotFoundError`` if it is missing, ``ValueError``
-    saying what it is otherwise (a directory, a device...). Cheap: for checks before any work starts."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"pairs file {path} does not exist; pass a file of source<TAB>target lines (--pairs)")
-    if not path.is_file():
-        what = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
-        raise ValueError(f"pairs file {path} is {what}; pass a file of source<TAB>target lines (--pairs)")
-    return path
-
-
-def load_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
-    """Read ``source<TAB>target`` lines of a UTF-8 text file; blank lines are skipped.
-
-    A line without exactly one tab, or with an empty side, is a ``ValueError`` naming the file and line; a path
-    that is not a regular file is an error saying what it is (:func:`check_pairs_file`).
-    """
-    path = check_pairs_file(path)
-    pairs = []
-    with open(path, encoding="utf-8", newline="") as f:
-        for number, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if len(fields) != 2 or not fields[0] or not fields[1]:
-                raise ValueError(
-                    f"{path}:{number}: expected 'source<TAB>target' with both sides non-empty; got {line[:80]!r}"
-                )
-            pairs.append((fields[0], fields[1]))
-    if not pairs:
-        raise ValueError(f"{path} holds no source<TAB>target pairs")
-    return pairs

@@ -32,8 +32,9 @@ import numpy as np
 TokenizerKind = Literal["byte", "char", "bpe"]
 UnknownPolicy = Literal["unk", "skip", "error"]
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-SEQ2SEQ_SPECIALS = (PAD, BOS, EOS)  # ids 0, 1, 2 -- as tformer.training.tasks' PAD, BOS, EOS
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
+SEQ2SEQ_SPECIALS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # the first ids of every seq2seq vocabulary, in this order
+PAD_ID, BOS_ID, EOS_ID = (SEQ2SEQ_SPECIALS.index(t) for t in SEQ2SEQ_SPECIALS)  # 0, 1, 2
 TOKENIZER_FILE = "tokenizer.json"
 _FORMAT = "tformer-tokenizer"
 
@@ -74,15 +75,15 @@ class Tokenizer:
 
     @property
     def pad_id(self) -> int | None:
-        return self.special_id(PAD)
+        return self.special_id(PAD_TOKEN)
 
     @property
     def bos_id(self) -> int | None:
-        return self.special_id(BOS)
+        return self.special_id(BOS_TOKEN)
 
     @property
     def eos_id(self) -> int | None:
-        return self.special_id(EOS)
+        return self.special_id(EOS_TOKEN)
 
     def _hidden(self, i: int) -> bool:
         """Special ids that ``decode`` leaves out."""
@@ -149,8 +150,8 @@ class CharTokenizer(Tokenizer):
         if unknown not in ("unk", "skip", "error"):
             raise ValueError(f"unknown-character policy {unknown!r} is not one of 'unk', 'skip', 'error'")
         specials = tuple(specials)
-        if unknown == "unk" and UNK not in specials:
-            specials = (*specials, UNK)
+        if unknown == "unk" and UNK_TOKEN not in specials:
+            specials = (*specials, UNK_TOKEN)
         super().__init__(specials)
         self.chars = list(chars)
         if any(len(c) != 1 for c in self.chars) or len(set(self.chars)) != len(self.chars):
@@ -187,7 +188,7 @@ class CharTokenizer(Tokenizer):
             )
         if self.unknown == "skip":
             return [ids[c] for c in text if c in ids]
-        unk = self._special_ids[UNK]
+        unk = self._special_ids[UNK_TOKEN]
         return [ids.get(c, unk) for c in text]
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -202,7 +203,7 @@ class CharTokenizer(Tokenizer):
             return ids_of_known[where]
         if self.unknown != "unk":
             return np.asarray(self.encode(text), dtype=np.int64)  # raises ("error") or drops ("skip")
-        return np.where(found, ids_of_known[where] if len(known) else 0, self._special_ids[UNK])
+        return np.where(found, ids_of_known[where] if len(known) else 0, self._special_ids[UNK_TOKEN])
 
     def decode(self, ids: Iterable[int]) -> str:
         offset, chars = len(self.specials), self.chars

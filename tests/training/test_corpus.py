@@ -1,6 +1,5 @@
-"""Data: corpora (stdlib default, files, folders without hidden or binary files), the memory-mapped token cache
-(and the removal of temporary folders left by killed runs), the batch samplers, the built-in tasks (including
-addition) and TSV pairs."""
+"""Corpora (the stdlib default, files, folders without hidden or binary files) and the memory-mapped token cache,
+with the removal of temporary folders left by killed runs."""
 
 import fcntl
 import os
@@ -10,22 +9,17 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
-import tformer.training.data as data
-from tformer.training.data import (
+import tformer.training.corpus as data
+from tformer.training.corpus import (
     DOC_SEPARATOR,
-    LMBatches,
-    Seq2SeqBatches,
     corpus_files,
     iter_texts,
     remove_stale_temps,
     scan_corpus,
-    split_pairs,
     stdlib_root,
     tokenize_corpus,
 )
-from tformer.training.tasks import BOS, EOS, PAD, SequenceTask, load_pairs
 from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 
 
@@ -191,114 +185,3 @@ def test_char_corpus_matches_plain_encoding(folder, tmp_path):
     corpus = tokenize_corpus(files, tok, cache_dir=tmp_path)
     whole = DOC_SEPARATOR.join(f.read_bytes().decode() for f in files)
     assert corpus.tokens.tolist() == tok.encode(whole)
-
-
-def test_lm_batches_are_a_pure_function_of_seed_and_index():
-    tokens = np.arange(1000, dtype=np.uint16)
-    sampler = LMBatches(tokens, block_size=16, batch_size=6, seed=3)
-    a, b = sampler.get(5), sampler.get(5)
-    np.testing.assert_array_equal(a.offsets, b.offsets)
-    assert not np.array_equal(a.offsets, sampler.get(6).offsets)
-    assert not np.array_equal(a.offsets, LMBatches(tokens, 16, 6, seed=4).get(5).offsets)
-    x, y = a.rows(0, 6)
-    assert x.shape == y.shape == (6, 16) and x.dtype == torch.int64
-    assert torch.equal(y, x + 1)  # targets are the inputs shifted by one token
-    assert int(y.max()) <= 999 and a.num_tokens == 6 * 16
-    shards = torch.cat([a.rows(0, 2)[0], a.rows(2, 4)[0], a.rows(4, 6)[0]])  # ranks' rows = the global batch
-    assert torch.equal(shards, x)
-
-
-def test_lm_evaluation_windows_are_fixed_and_spread():
-    sampler = LMBatches(np.arange(500, dtype=np.uint16), block_size=10, batch_size=4, seed=0)
-    batches = sampler.evaluation(3)
-    offsets = np.concatenate([b.offsets for b in batches])
-    assert len(batches) == 3 and offsets[0] == 0 and offsets[-1] == 500 - 11
-    np.testing.assert_array_equal(offsets, np.concatenate([b.offsets for b in sampler.evaluation(3)]))
-
-
-def test_lm_batches_reject_a_split_shorter_than_a_window():
-    with pytest.raises(ValueError, match="too short for windows of block_size=64"):
-        LMBatches(np.arange(50, dtype=np.uint16), block_size=64, batch_size=2, seed=0)
-
-
-def test_task_batches_exclude_held_out_and_are_deterministic():
-    task = SequenceTask("reverse", max_len=3, num_symbols=3)
-    held = set(task.held_out(20, seed=1))
-    sampler = Seq2SeqBatches(64, seed=0, task=task, exclude=held)
-    batch = sampler.get(0)
-    assert len(batch) == 64 and not {s for s, _ in batch.pairs} & held
-    assert batch.pairs == sampler.get(0).pairs and batch.pairs != sampler.get(1).pairs
-    src, src_mask, tgt_in, tgt_out, tgt_mask = batch.rows(0, 5)
-    assert (tgt_in[:, 0] == BOS).all()
-    for i, (s, t) in enumerate(batch.pairs[:5]):
-        assert src[i, : len(s)].tolist() == list(s) and src_mask[i].sum() == len(s)
-        assert tgt_out[i, : len(t) + 1].tolist() == [*t, EOS] and (tgt_out[i, len(t) + 1 :] == PAD).all()
-        assert tgt_mask[i].sum() == len(t) + 1
-    assert batch.num_tokens == sum(len(t) + 1 for _, t in batch.pairs)
-
-
-def test_addition_task():
-    task = SequenceTask("add", min_len=1, max_len=4)
-    assert task.alphabet == "0123456789+" and task.vocab_size == 14
-    assert task.to_text(task.target(task.from_text("123+45"))) == "168"
-    assert task.to_text(task.target(task.from_text("999+1"))) == "1000"
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        source = task.to_text(task.sample_source(gen))
-        a, b = source.split("+")
-        assert 1 <= len(a) <= 4 and 1 <= len(b) <= 4 and (a == "0" or a[0] != "0")
-        assert task.to_text(task.target(task.from_text(source))) == str(int(a) + int(b))
-    assert task.max_source_len == 9 and task.max_target_len == 7
-    with pytest.raises(ValueError, match="'x' is not a symbol of the add task"):
-        task.from_text("1x2")
-
-
-def test_task_lengths_error_names_the_cli_flags():
-    with pytest.raises(
-        ValueError,
-        match=r"reverse task's lengths need 1 <= min_len <= max_len "
-        r"\(--task-min-len <= --task-max-len\); got min_len=1, max_len=0",
-    ):
-        SequenceTask("reverse", min_len=1, max_len=0)
-
-
-def test_existing_task_api_still_works():
-    task = SequenceTask("reverse")
-    src, src_mask, tgt, tgt_mask = task.batch(8, torch.Generator().manual_seed(0))
-    assert src.shape[0] == tgt.shape[0] == 8 and task.vocab_size == 13 and task.max_target_len == 18
-    assert task.alphabet == "0123456789"
-
-
-def test_pairs_file(tmp_path):
-    path = tmp_path / "pairs.tsv"
-    path.write_text("hello\tbonjour\n\ncat\tchat\r\n")
-    assert load_pairs(path) == [("hello", "bonjour"), ("cat", "chat")]
-    path.write_text("ok\tfine\nno tab here\n")
-    with pytest.raises(ValueError, match=r"pairs\.tsv:2: expected 'source<TAB>target'"):
-        load_pairs(path)
-    with pytest.raises(FileNotFoundError, match=r"missing\.tsv does not exist; pass a file .*\(--pairs\)"):
-        load_pairs(tmp_path / "missing.tsv")
-    with pytest.raises(ValueError, match=r"pairs file .* is a directory; pass a file of source<TAB>target lines"):
-        load_pairs(tmp_path)
-    with pytest.raises(ValueError, match=r"pairs file /dev/null is not a regular file"):
-        load_pairs("/dev/null")
-
-
-def test_pairs_split_is_fixed_disjoint_and_complete():
-    train, val = split_pairs(50, 0.2)
-    assert len(val) == 10 and not set(train) & set(val) and sorted([*train, *val]) == list(range(50))
-    np.testing.assert_array_equal(val, split_pairs(50, 0.2)[1])
-    with pytest.raises(ValueError, match="at least 2 pairs"):
-        split_pairs(1, 0.1)
-
-
-def test_only_lengths_with_many_sources_are_withheld():
-    add = SequenceTask("add", min_len=1, max_len=2)
-    counts = {}
-    for a in range(100):
-        for b in range(100):
-            counts[len(f"{a}+{b}")] = counts.get(len(f"{a}+{b}"), 0) + 1
-    assert [add.sources_of_length(n) for n in range(1, 7)] == [counts.get(n, 0) for n in range(1, 7)]
-    reverse = SequenceTask("reverse")
-    assert [reverse.sources_of_length(n) for n in (1, 2, 3)] == [10, 100, 1000]
-    assert not reverse.can_withhold((3,)) and not reverse.can_withhold((3, 4)) and reverse.can_withhold((3, 4, 5))

@@ -1,0 +1,75 @@
+"""Resuming a run (``--resume``): its newest checkpoint, whether it fits this run's settings, and the error for a
+damaged one, naming the newest earlier checkpoint that verifies (nothing is deleted)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tformer.training.checkpoint import (
+    CHECKPOINTS_DIR,
+    Checkpoint,
+    CheckpointError,
+    find_latest,
+    last_good_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
+from tformer.training.config import STRUCTURAL, TrainConfig
+
+
+def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> CheckpointError:
+    """The error for a latest checkpoint of run ``out`` that fails to load with ``err``."""
+    found = list_checkpoints(Path(out) / CHECKPOINTS_DIR)
+    if not found:
+        return err
+    good = last_good_checkpoint(found[:-1])
+    hint = (f"delete it to resume from {good.name}" if good is not None else
+            "no earlier checkpoint verifies; train without --resume into another --out")  # fmt: skip
+    return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
+
+
+def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
+    """The checkpoint this run continues (``None`` for a fresh run); errors for a run that cannot start: a fresh run
+    into an ``OUT`` that holds checkpoints, a resume without one, a damaged one, or one of other settings."""
+    if cfg.out is None:
+        return None
+    latest = find_latest(cfg.out)
+    if not cfg.resume:
+        if latest is not None:
+            raise FileExistsError(f"{cfg.out} already holds checkpoints (latest {latest.name}); pass --resume to "
+                                  "continue that run, or choose another --out")  # fmt: skip
+        return None
+    if latest is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {Path(cfg.out) / CHECKPOINTS_DIR}; train without "
+                                "--resume first")  # fmt: skip
+    try:  # on this run's attention backend: all are exact, so a run may continue on another one
+        ckpt = load_checkpoint(cfg.out, with_state=True, attn_backend=cfg.model.get("attn_backend", "auto"))
+    except CheckpointError as err:
+        raise damaged_checkpoint_error(cfg.out, err) from None
+    check_resumable(cfg, ckpt)
+    return ckpt
+
+
+def check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
+    """``ValueError`` unless ``ckpt`` was saved by a run of the same model, data and batches as ``cfg``."""
+    if ckpt.kind != cfg.kind:
+        raise ValueError(f"the checkpoint in {cfg.out} is a {ckpt.kind!r} model but this run trains a {cfg.kind!r} "
+                         "one; resume with the same --data/--task/--pairs or train into another --out")  # fmt: skip
+    saved = dict(ckpt.train_config)
+    for name in ("data", "pairs"):  # runs saved before paths were made absolute
+        if isinstance(saved.get(name), str):
+            saved[name] = os.path.abspath(saved[name])
+    now = {k: getattr(cfg, k) for k in STRUCTURAL}
+    for settings in (saved, now):  # the attention backend does not change the weights: every backend is exact
+        if isinstance(settings.get("model"), dict):
+            settings["model"] = {k: v for k, v in settings["model"].items() if k != "attn_backend"}
+    diffs = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in STRUCTURAL if saved.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"cannot resume {ckpt.path}: these settings differ from the saved run: {'; '.join(diffs)}")
+    if ckpt.step >= cfg.steps:
+        raise ValueError(f"the checkpoint is already at step {ckpt.step} >= steps={cfg.steps}; raise --steps to "
+                         "train further")  # fmt: skip
+    end = cfg.stop_after if cfg.stop_after is not None else cfg.steps
+    if end <= ckpt.step:
+        raise ValueError(f"stop_after={end} is not after the checkpoint's step {ckpt.step}; nothing to train")
