@@ -16,14 +16,18 @@ queued behind a 1 GiB memset so that the host's launch time is not counted (as `
 does); on CUDA each row also gives its ratios to the best ``sdpa-*`` kernel of the row (forward and backward
 TFLOP/s, each against the fastest kernel for that pass) and the largest error of out, dQ, dK, dV against SDPA
 in float32 on the same inputs, relative to the largest magnitude (bfloat16 kernels: ~1e-2; a bug: ~1).
-Peak memory: forward+backward of each case in a fresh subprocess, as the growth of the peak resident set
-over the resident set after allocating the inputs (CPU, Linux: the peak is reset through
-/proc/self/clear_refs, and glibc is told to return every block >= 64 KiB on free, so the peak follows live
-tensors), or ``torch.cuda.max_memory_allocated`` (CUDA).
+Peak memory (``peak MiB``): the most bytes one forward+backward had allocated at once beyond its inputs (outputs,
+gradients and every temporary), from the allocator's own accounting
+(:func:`tformer.experiments.memory.peak_allocated_bytes`: PyTorch's profiler memory events on CPU,
+``torch.cuda.max_memory_allocated`` on CUDA); exact, whatever else the machine runs. With ``--rss``, also the
+growth of the whole process's peak resident set (``RSS MiB``, extra information: page-level, and noisy on a busy
+machine), each case in a fresh subprocess (CPU, Linux: the peak is reset through /proc/self/clear_refs, and glibc
+is told to return every block >= 64 KiB on free, so the peak follows live tensors).
 
     python benchmarks/attention.py            # n = 512 ... 16384, causal and not
     python benchmarks/attention.py --quick    # n = 512 ... 2048, fewer runs
     python benchmarks/attention.py --threads 1  # one core per backend: fairer on a loaded machine
+    python benchmarks/attention.py --quick --rss  # and the resident-set growth of each case
     python benchmarks/attention.py --dtype bfloat16 --dims 64 128 --no-memory   # on a GPU
 """
 
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 
 from tformer.attention import scaled_dot_product_attention
 from tformer.attention.tiled import tiled_attention
+from tformer.experiments.memory import peak_allocated_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SDPA_KERNELS = {  # backend name -> torch.nn.attention.SDPBackend member
@@ -208,21 +213,23 @@ def time_cases(names, n, causal, dim, args):
     return {name: results[name] for name in names}, errors
 
 
-def measure_memory_here(name, n, causal, heads, dim, device, dtype_name):
-    """Peak extra bytes of one forward+backward (run inside the measuring subprocess)."""
+def measure_memory(name, n, causal, heads, dim, device, dtype_name):
+    """Peak extra bytes of one forward+backward, from the allocator's accounting (in this process)."""
     fn = backend_fn(name)
     dtype = DTYPES[dtype_name]
     # warm up thread pools and libraries; on CUDA at full size, so that autotuning runs before the peak is reset
     q, k, v, dout = inputs(n if device == "cuda" else 64, heads, dim, device, dtype)
     fn(q, k, v, causal).backward(dout)
     q, k, v, dout = inputs(n, heads, dim, device, dtype)
-    if device == "cuda":
-        sync()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn(q, k, v, causal).backward(dout)
-        sync()
-        return torch.cuda.max_memory_allocated() - base
+    return peak_allocated_bytes(lambda: fn(q, k, v, causal).backward(dout), device)
+
+
+def measure_rss_here(name, n, causal, heads, dim, device, dtype_name):
+    """Growth of the peak resident set during one forward+backward (run inside the probing subprocess; CPU)."""
+    fn = backend_fn(name)
+    q, k, v, dout = inputs(64, heads, dim, device, DTYPES[dtype_name])
+    fn(q, k, v, causal).backward(dout)  # warm up thread pools and BLAS buffers
+    q, k, v, dout = inputs(n, heads, dim, device, DTYPES[dtype_name])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # Linux: reset the peak resident size (VmHWM) to the current one
     base = status_kib("VmRSS")
@@ -238,13 +245,17 @@ def status_kib(field):
 
 
 def memory_case(name, n, causal, dim, args):
+    """(allocator peak, resident-set growth or None) of one case."""
+    peak = measure_memory(name, n, causal, args.heads, dim, args.device, args.dtype_name)
+    if not args.rss or args.device == "cuda":
+        return peak, None
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     probe = json.dumps([name, n, causal, args.heads, dim, args.device, args.dtype_name])
-    out = subprocess.run([sys.executable, __file__, "--memory-probe", probe], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, __file__, "--rss-probe", probe], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         print(out.stderr[-2000:], file=sys.stderr)
-        return None
-    return int(out.stdout.strip().splitlines()[-1])
+        return peak, None
+    return peak, int(out.stdout.strip().splitlines()[-1])
 
 
 def flops(n, heads, dim, causal):
@@ -282,7 +293,7 @@ def table(dim, backends, args):
     columns = ["n", "causal", "backend", "fwd ms", f"fwd {unit}", "bwd ms", f"bwd {unit}", "fwd+bwd ms",
                f"fwd+bwd {unit}"]  # fmt: skip
     columns += ["fwd / best sdpa", "bwd / best sdpa", "max rel err"] if cuda else ["fwd+bwd / sdpa"]
-    columns += ["peak MiB"]
+    columns += ["peak MiB", "RSS MiB"] if args.rss else ["peak MiB"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     results, triton_ratios = {}, {}
@@ -300,7 +311,7 @@ def table(dim, backends, args):
                 if isinstance(r, str):
                     row[name] = r
                     continue
-                mem = None if args.no_memory or causal else memory_case(name, n, causal, dim, args)
+                mem = (None, None) if args.no_memory or causal else memory_case(name, n, causal, dim, args)
                 row[name] = (*r, mem)
             fl = flops(n, args.heads, dim, causal)
             rate = {name: (fl / r[0], 2.5 * fl / (r[1] - r[0]) if r[1] > r[0] else 0.0)
@@ -323,9 +334,10 @@ def table(dim, backends, args):
                 else:
                     sd = row.get("sdpa")
                     cells.append(f"{t_fb / sd[1]:.2f}" if isinstance(sd, tuple) else "-")
-                cells.append("-" if mem is None else f"{mem / 2**20:.0f}")
+                shown = mem if args.rss else mem[:1]
+                cells += ["-" if m is None else f"{m / 2**20:.1f}" for m in shown]
                 print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
-                results.setdefault((name, causal), []).append((n, t_f, t_fb, mem))
+                results.setdefault((name, causal), []).append((n, t_f, t_fb, mem[0]))
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
     print("\n| backend | causal | time exponent (fwd+bwd) | peak-memory exponent |")
     print("|---|---|---|---|")
@@ -340,7 +352,7 @@ def table(dim, backends, args):
 
 def print_triton_tiles():
     """The tiles triton.autotune chose for each shape it saw (CUDA)."""
-    from tformer import attention_triton
+    from tformer.attention import triton as attention_triton
 
     print("# Triton tiles chosen by autotuning; key = (L, S, E, Ev, groups, mask kind, causal, dtype of Q)\n")
     print("| kernel | key | BLOCK_M | BLOCK_N | warps | stages |")
@@ -378,11 +390,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5; CUDA 30)")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds of repeat rounds per size (CPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    parser.add_argument("--rss", action="store_true", help="also the resident-set growth (a subprocess per case)")
+    parser.add_argument("--rss-probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.memory_probe:
-        print(measure_memory_here(*json.loads(args.memory_probe)))
+    if args.rss_probe:
+        print(measure_rss_here(*json.loads(args.rss_probe)))
         return
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype_name, args.dtype = args.dtype, DTYPES[args.dtype]

@@ -88,17 +88,16 @@ def test_saturation_jacobian_vanishes_and_unscaled_attention_collapses():
 
 
 def test_complexity_reference_memory_grows_faster_than_fused():
+    """Peak memory from the allocator's accounting (exact, the same on a busy machine): the reference holds
+    (B, H, n, n) float32 score and weight tensors at its peak (measured 3 of them, 192 MiB at n = 2048), so its
+    exponent is 2; SDPA needs its output plus per-call buffers that grow with n (exponent 1)."""
     r = complexity.run(sizes=(512, 1024, 2048), backends=["reference", "sdpa"], heads=4, repeats=1)
-    # reference: several (B, H, n, n) float32 score/weight tensors at its peak (64 MiB each at n = 2048); its
-    # fitted exponent was 1.73-1.74 over these sizes (2.0 from 256 to 1024): the allocator reuses some freed
-    # n x n blocks at the largest size, so the bound asks for clearly superlinear, not exactly 2
     assert r.memory_exponent["reference"] > 1.5
+    assert abs(r.memory_exponent["reference"] - 2) < 0.05 and abs(r.memory_exponent["sdpa"] - 1) < 0.1
     assert r.peak_mib["reference"][-1] > 2 * r.score_matrix_mib(2048)
-    # sdpa: O(n), bounded by a few output-sized buffers at every n. (Not its fitted exponent: its whole extra
-    # memory is 0.5-2 MiB here, and resident-set noise of a few pages swung that exponent from 1.0 to 1.9.)
-    for n, peak in zip(r.sizes, r.peak_mib["sdpa"], strict=True):
+    for n, peak in zip(r.sizes, r.peak_mib["sdpa"], strict=True):  # O(n): a few output-sized buffers at every n
         output_mib = r.batch * r.heads * n * r.head_dim * 4 / 2**20
-        assert peak < 3 * output_mib + 1.0, (n, peak)
+        assert output_mib <= peak < 3 * output_mib + 1.0, (n, peak)
     assert r.peak_mib["reference"][-1] > 10 * r.peak_mib["sdpa"][-1]
     assert r.max_abs_error["sdpa"] < 1e-4
     assert all(t > 0 for ts in r.seconds.values() for t in ts)

@@ -6,12 +6,13 @@ using an online (streaming) softmax so only O(n) statistics are kept."
 
 Measured for each backend of :func:`tformer.attention.scaled_dot_product_attention` (``reference``: the
 materialized scores; ``sdpa``: PyTorch's fused kernel, on CPU a FlashAttention-style tiled kernel; ``tiled``:
-tformer's online-softmax implementation, when installed), one forward call on ``q, k, v (B, H, n, D)`` float32
+tformer's online-softmax implementation), one forward call on ``q, k, v (B, H, n, D)`` float32
 under ``no_grad``, as n doubles:
 
 * time: best wall-clock of a few calls in this process (all its threads);
-* peak memory: the rise of the peak resident set size (``ru_maxrss``) during one call, each point in a freshly
-  forked child of a separate worker process (:mod:`tformer.experiments._memory_worker`), one thread.
+* peak memory: the most bytes the call had allocated at once (its output and every temporary), from PyTorch's
+  allocator accounting (:func:`tformer.experiments.memory.peak_allocated_bytes`), on one thread (per-thread
+  buffers are not part of the claim). Exact to the byte, and the same on a busy machine.
 
 The exponents are least-squares slopes of ``log cost`` against ``log n``. Tiling saves memory, not arithmetic:
 every exact backend's time still grows as n^2.
@@ -19,12 +20,6 @@ every exact backend's time still grows as n^2.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import math
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-import tformer
 from tformer.attention import scaled_dot_product_attention
-from tformer.experiments._common import Table, fit_power_law, fmt, new_figure, save_figure
+from tformer.experiments._common import Table, fit_power_law, fmt, new_figure, save_figure, single_thread
+from tformer.experiments.memory import peak_allocated_bytes
 
 QUESTION = "Q1(c), Q1(d)"
 TITLE = "The cost of attention, and what tiling saves"
@@ -47,18 +42,6 @@ SIZES: dict[str, dict] = {
     "report": dict(sizes=(256, 512, 1024, 2048, 4096), repeats=3),
 }
 MIB = 2**20
-
-
-def tiled_available() -> bool:
-    """Whether the ``tiled`` backend (``tformer.attention.tiled``) is installed and agrees with the reference."""
-    if importlib.util.find_spec("tformer.attention.tiled") is None:
-        return False
-    try:
-        q = torch.randn(1, 1, 5, 8, dtype=torch.float64)
-        out = scaled_dot_product_attention(q, q, q, backend="tiled")
-        return bool(torch.allclose(out, scaled_dot_product_attention(q, q, q, backend="reference")))
-    except Exception:
-        return False
 
 
 @dataclass
@@ -104,7 +87,7 @@ class ComplexityResult:
         )
         title = (
             f"One attention forward, B={self.batch}, H={self.heads}, D={self.head_dim}, float32 "
-            f"(time on {self.threads} thread(s); peak = rise of ru_maxrss during the call, 1 thread)"
+            f"(time on {self.threads} thread(s); peak = most bytes allocated at once, 1 thread)"
         )
         return [Table(tuple(columns), tuple(rows), title)]
 
@@ -171,27 +154,12 @@ def time_attention(backend: str, n: int, batch: int, heads: int, head_dim: int, 
     return min(times)
 
 
-def measure_peak_memory(
-    points: Sequence[tuple[str, int]], batch: int, heads: int, head_dim: int, timeout_s: float = 600.0
-) -> dict[tuple[str, int], float]:
-    """Peak extra bytes of one forward call per ``(backend, n)``, measured by the memory worker process."""
-    spec = dict(points=list(points), batch=batch, heads=heads, head_dim=head_dim,
-                import_tiled=any(b == "tiled" for b, _ in points))  # fmt: skip
-    src_root = str(Path(tformer.__file__).resolve().parents[1])  # importable even when not installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src_root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tformer.experiments._memory_worker", json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout_s, check=False, env=env,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"the memory worker failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    peaks = {}
-    for line in proc.stdout.splitlines():
-        row = json.loads(line)
-        if "error" in row:
-            raise RuntimeError(f"measuring {row['backend']} at n={row['n']} failed: {row['error']}")
-        peaks[(row["backend"], int(row["n"]))] = float(row["peak_bytes"])
-    return peaks
+def peak_memory(backend: str, n: int, batch: int, heads: int, head_dim: int) -> float:
+    """Peak bytes one forward call allocates (output included) on one thread."""
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(batch, heads, n, head_dim, generator=gen) for _ in range(3))  # (B, H, n, D)
+    with torch.no_grad(), single_thread():
+        return float(peak_allocated_bytes(lambda: scaled_dot_product_attention(q, k, v, backend=backend)))
 
 
 def run(
@@ -205,22 +173,16 @@ def run(
 ) -> ComplexityResult:
     """Time and peak memory of one attention forward per backend and sequence length.
 
-    ``backends`` defaults to ``reference``, ``sdpa`` and, when installed, ``tiled``.
+    ``backends`` defaults to ``reference``, ``sdpa`` and ``tiled``.
     """
     if len(sizes) < 2:
         raise ValueError(f"need at least two sequence lengths to fit an exponent; got {sizes}")
-    notes = []
+    notes: list[str] = []
     if backends is None:
-        backends = ["reference", "sdpa"]
-        if tiled_available():
-            backends.append("tiled")
-        else:
-            notes.append("the tiled backend (tformer.attention.tiled) is not installed here: not measured")
+        backends = ["reference", "sdpa", "tiled"]
     torch.manual_seed(seed)
     seconds = {b: [time_attention(b, n, batch, heads, head_dim, repeats) for n in sizes] for b in backends}
-    peaks = measure_peak_memory([(b, n) for b in backends for n in sizes], batch, heads, head_dim)
-    # a call whose extra memory fits in pages already resident reads as 0; floor at one 4 KiB page for the fit
-    peak_mib = {b: [max(peaks[(b, n)], 4096.0) / MIB for n in sizes] for b in backends}
+    peak_mib = {b: [peak_memory(b, n, batch, heads, head_dim) / MIB for n in sizes] for b in backends}
     q = torch.randn(batch, heads, sizes[0], head_dim)
     ref = scaled_dot_product_attention(q, q.flip(-2), q.roll(1, -2), backend="reference")
     errors = {
@@ -228,8 +190,6 @@ def run(
         for b in backends
         if b != "reference"
     }
-    if any(math.isclose(p, 4096.0 / MIB) for v in peak_mib.values() for p in v):
-        notes.append("some calls needed no new resident pages (shown as one 4 KiB page)")
     return ComplexityResult(
         sizes=list(sizes), batch=batch, heads=heads, head_dim=head_dim, threads=torch.get_num_threads(),
         seconds=seconds, peak_mib=peak_mib,
