@@ -288,10 +288,21 @@ def table(dim, backends, args):
     unit, scale = ("TFLOP/s", 1e12) if cuda else ("GFLOP/s", 1e9)
     ms = ".3f" if cuda else ".1f"
     device = f"cuda ({torch.cuda.get_device_name()})" if cuda else "cpu"
-    print(f"# device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype_name}, "
-          f"B=1 H={args.heads} E={dim}; load average at start {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    columns = ["n", "causal", "backend", "fwd ms", f"fwd {unit}", "bwd ms", f"bwd {unit}", "fwd+bwd ms",
-               f"fwd+bwd {unit}"]  # fmt: skip
+    print(
+        f"# device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype_name}, "
+        f"B=1 H={args.heads} E={dim}; load average at start {os.getloadavg()[0]:.1f}\n"
+    )
+    columns = [
+        "n",
+        "causal",
+        "backend",
+        "fwd ms",
+        f"fwd {unit}",
+        "bwd ms",
+        f"bwd {unit}",
+        "fwd+bwd ms",
+        f"fwd+bwd {unit}",
+    ]
     columns += ["fwd / best sdpa", "bwd / best sdpa", "max rel err"] if cuda else ["fwd+bwd / sdpa"]
     columns += ["peak MiB", "RSS MiB"] if args.rss else ["peak MiB"]
     print("| " + " | ".join(columns) + " |")
@@ -314,8 +325,11 @@ def table(dim, backends, args):
                 mem = (None, None) if args.no_memory or causal else memory_case(name, n, causal, dim, args)
                 row[name] = (*r, mem)
             fl = flops(n, args.heads, dim, causal)
-            rate = {name: (fl / r[0], 2.5 * fl / (r[1] - r[0]) if r[1] > r[0] else 0.0)
-                    for name, r in row.items() if isinstance(r, tuple)}  # fmt: skip
+            rate = {
+                name: (fl / r[0], 2.5 * fl / (r[1] - r[0]) if r[1] > r[0] else 0.0)
+                for name, r in row.items()
+                if isinstance(r, tuple)
+            }
             best = [max((rate[name][i] for name in rate if name in SDPA_KERNELS), default=0.0) for i in (0, 1)]
             for name, r in row.items():
                 if isinstance(r, str):
@@ -323,9 +337,17 @@ def table(dim, backends, args):
                     continue
                 t_f, t_fb, mem = r
                 t_b = f"{(t_fb - t_f) * 1e3:{ms}}" if t_fb > t_f else "-"
-                cells = [n, causal, name, f"{t_f * 1e3:{ms}}", f"{fl / t_f / scale:.0f}", t_b,
-                         f"{rate[name][1] / scale:.0f}" if t_fb > t_f else "-", f"{t_fb * 1e3:{ms}}",
-                         f"{3.5 * fl / t_fb / scale:.0f}"]  # fmt: skip
+                cells = [
+                    n,
+                    causal,
+                    name,
+                    f"{t_f * 1e3:{ms}}",
+                    f"{fl / t_f / scale:.0f}",
+                    t_b,
+                    f"{rate[name][1] / scale:.0f}" if t_fb > t_f else "-",
+                    f"{t_fb * 1e3:{ms}}",
+                    f"{3.5 * fl / t_fb / scale:.0f}",
+                ]
                 if cuda:
                     ratios = ratio(rate[name][0], best[0]), ratio(rate[name][1], best[1])
                     cells += [fmt(ratios[0], ".2f"), fmt(ratios[1], ".2f"), fmt(errors[name], ".1e")]
@@ -361,8 +383,10 @@ def print_triton_tiles():
         for key, config in tuner.cache.items():
             dtypes = [str(x) for x in key if str(x).startswith("torch.")]  # triton appends each tensor's dtype
             key_s = ", ".join([str(x) for x in key if not str(x).startswith("torch.")] + dtypes[:1])
-            print(f"| {name} | {key_s} | {config.kwargs['BLOCK_M']} | {config.kwargs['BLOCK_N']} | "
-                  f"{config.num_warps} | {config.num_stages} |")  # fmt: skip
+            print(
+                f"| {name} | {key_s} | {config.kwargs['BLOCK_M']} | {config.kwargs['BLOCK_N']} | "
+                f"{config.num_warps} | {config.num_stages} |"
+            )
     print()
 
 
@@ -381,9 +405,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="n = 512, 1024, 2048 and fewer runs")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="default 512 ... 16384")
-    parser.add_argument("--backends", nargs="+", default=None, choices=BACKENDS,
-                        help="default: reference tiled sdpa (CPU); reference tiled sdpa-flash sdpa-efficient "
-                             "sdpa-cudnn triton (CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        choices=BACKENDS,
+        help="default: reference tiled sdpa (CPU); reference tiled sdpa-flash sdpa-efficient sdpa-cudnn triton (CUDA)",
+    )
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", "--dims", dest="dims", type=int, nargs="+", default=[64], help="head dims E")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")

@@ -76,8 +76,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, causal; times in ms per call\n")
-    print("| dtype | B x H x n x E | fwd native | fwd float32 | native/float32 "
-          "| fwd+bwd native | fwd+bwd float32 | native/float32 | tformer runs |")  # fmt: skip
+    print(
+        "| dtype | B x H x n x E | fwd native | fwd float32 | native/float32 "
+        "| fwd+bwd native | fwd+bwd float32 | native/float32 | tformer runs |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for dtype in (torch.bfloat16, torch.float16):
         for shape in SHAPES:

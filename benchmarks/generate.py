@@ -29,10 +29,17 @@ from tformer.generation.sampling import generate
 
 def tformer_model(args: argparse.Namespace) -> DecoderLM:
     cfg = TransformerConfig(
-        vocab_size=args.vocab, d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
-        d_ff=4 * args.d_model, max_seq_len=args.positions, position="learned", activation="gelu_tanh",
-        norm_first=True, tie_embeddings=True,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        d_ff=4 * args.d_model,
+        max_seq_len=args.positions,
+        position="learned",
+        activation="gelu_tanh",
+        norm_first=True,
+        tie_embeddings=True,
+    )
     return DecoderLM(cfg).eval()
 
 
@@ -42,9 +49,15 @@ def hf_model(args: argparse.Namespace):
 
     logging.set_verbosity_error()
     cfg = GPT2Config(
-        vocab_size=args.vocab, n_positions=args.positions, n_embd=args.d_model, n_layer=args.layers,
-        n_head=args.heads, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        n_positions=args.positions,
+        n_embd=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -63,11 +76,22 @@ def step_breakdown(model: DecoderLM, past: int = 100, rounds: int = 20, calls: i
 
         E, P = embed.tokens.weight, embed.positions.table.weight
         weights = [
-            (b.self_attn_norm.weight, b.self_attn_norm.bias, b.self_attn.in_proj.weight, b.self_attn.in_proj.bias,
-             b.self_attn.out_proj.weight, b.self_attn.out_proj.bias, b.ff_norm.weight, b.ff_norm.bias,
-             b.ff.up.weight, b.ff.up.bias, b.ff.down.weight, b.ff.down.bias)
+            (
+                b.self_attn_norm.weight,
+                b.self_attn_norm.bias,
+                b.self_attn.in_proj.weight,
+                b.self_attn.in_proj.bias,
+                b.self_attn.out_proj.weight,
+                b.self_attn.out_proj.bias,
+                b.ff_norm.weight,
+                b.ff_norm.bias,
+                b.ff.up.weight,
+                b.ff.up.bias,
+                b.ff.down.weight,
+                b.ff.down.bias,
+            )
             for b in blocks
-        ]  # fmt: skip
+        ]
 
         def attend(qkv: Tensor, K: Tensor, V: Tensor) -> Tensor:  # (B, 1, 3C) -> (B, 1, C); K/V written at past
             q, k, v = qkv.split_with_sizes([C, C, C], dim=-1)

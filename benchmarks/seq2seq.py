@@ -34,17 +34,30 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
-    parser.add_argument("--demo", action="store_true", help="also run tformer.training.demos.run_demo with its defaults")
+    parser.add_argument(
+        "--demo", action="store_true", help="also run tformer.training.demos.run_demo with its defaults"
+    )
     args = parser.parse_args()
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(
-            out=args.out or f"{tmp}/run", task=args.task, task_max_len=16, task_held_out=500, steps=args.steps,
-            batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
-            label_smoothing=args.label_smoothing, seed=args.seed, eval_every=0, save_every=0, progress=False,
+            out=args.out or f"{tmp}/run",
+            task=args.task,
+            task_max_len=16,
+            task_held_out=500,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            warmup=args.warmup,
+            label_smoothing=args.label_smoothing,
+            seed=args.seed,
+            eval_every=0,
+            save_every=0,
+            progress=False,
             model=dict(d_model=args.d_model, num_heads=4, num_layers=args.layers, d_ff=4 * args.d_model),
-        )  # fmt: skip
+        )
         start = time.perf_counter()
         result = train(cfg)
         wall = time.perf_counter() - start
@@ -54,10 +67,13 @@ def main() -> None:
 
         start = time.perf_counter()
         demo = run_demo(progress=False)
-        rows.append(("tformer demo (run_demo defaults)", demo.steps, time.perf_counter() - start, demo.accuracy,
-                     float("nan")))  # fmt: skip
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.task}, lengths 1-16, 10 symbols, "
-          "500 held-out sources")  # fmt: skip
+        rows.append(
+            ("tformer demo (run_demo defaults)", demo.steps, time.perf_counter() - start, demo.accuracy, float("nan"))
+        )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.task}, lengths 1-16, 10 symbols, "
+        "500 held-out sources"
+    )
     print("\n| run | steps | wall time (s) | held-out exact match | val loss |\n|---|---:|---:|---:|---:|")
     for name, steps, secs, acc, loss in rows:
         print(f"| {name} | {steps} | {secs:.0f} | {100 * acc:.1f}% | {loss:.4f} |")

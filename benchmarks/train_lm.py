@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tformer.training.data import LMBatches, corpus_files, iter_texts, tokenize_corpus
 from torch import nn
 
 from tformer import DecoderLM, TransformerConfig, num_parameters
 from tformer.training import TrainConfig, lr_at, make_optimizer
-from tformer.training.data import LMBatches, corpus_files, iter_texts, tokenize_corpus
 from tformer.training.tokenizers import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,20 +59,43 @@ class Runner:
 
 
 def tformer_model(vocab: int, args: argparse.Namespace) -> nn.Module:
-    cfg = TransformerConfig(vocab_size=vocab, d_model=args.n_embd, num_heads=args.n_head, num_layers=args.n_layer,
-                            d_ff=4 * args.n_embd, max_seq_len=args.block_size, dropout=0.0, position="learned",
-                            activation=args.activation, norm_first=True, tie_embeddings=True, bias=True)  # fmt: skip
+    cfg = TransformerConfig(
+        vocab_size=vocab,
+        d_model=args.n_embd,
+        num_heads=args.n_head,
+        num_layers=args.n_layer,
+        d_ff=4 * args.n_embd,
+        max_seq_len=args.block_size,
+        dropout=0.0,
+        position="learned",
+        activation=args.activation,
+        norm_first=True,
+        tie_embeddings=True,
+        bias=True,
+    )
     return DecoderLM(cfg)
 
 
 def hf_model(vocab: int, args: argparse.Namespace) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=vocab, n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-                     n_head=args.n_head, n_inner=4 * args.n_embd, activation_function=HF_ACTIVATION[args.activation],
-                     resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-                     bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")  # fmt: skip
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=args.block_size,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_inner=4 * args.n_embd,
+        activation_function=HF_ACTIVATION[args.activation],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -130,9 +153,11 @@ def main() -> None:
     parser.add_argument("--min-lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--chunk", type=int, default=50, help="steps per model before switching (interleaving)")
-    parser.add_argument("--models", default="tformer,hf",
-                        help="comma-separated: tformer, hf; 'NAME:bf16' trains NAME under bfloat16 autocast; "
-                        "ratios are to the first")  # fmt: skip
+    parser.add_argument(
+        "--models",
+        default="tformer,hf",
+        help="comma-separated: tformer, hf; 'NAME:bf16' trains NAME under bfloat16 autocast; ratios are to the first",
+    )
     parser.add_argument("--compile", default="", help="models to torch.compile, e.g. 'tformer' or 'tformer,hf'")
     activation = "gelu: exact on both sides (default); gelu_tanh: GPT-2's tanh form (HF's default gelu_new)"
     parser.add_argument("--activation", choices=sorted(HF_ACTIVATION), default="gelu", help=activation)
@@ -149,9 +174,18 @@ def main() -> None:
     files = corpus_files(args.data)
     tokenizer = CharTokenizer.train(iter_texts(files), unknown="error")
     corpus = tokenize_corpus(files, tokenizer, val_fraction=0.1)
-    train_cfg = TrainConfig(out="-", steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
-                            lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=0.1,
-                            betas=(0.9, 0.99), grad_clip=1.0)  # fmt: skip
+    train_cfg = TrainConfig(
+        out="-",
+        steps=args.steps,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup=args.warmup,
+        weight_decay=0.1,
+        betas=(0.9, 0.99),
+        grad_clip=1.0,
+    )
     batches = LMBatches(corpus.train, args.block_size, args.batch_size, args.seed)
 
     runners = []
@@ -172,8 +206,10 @@ def main() -> None:
 
         label = name + (" (compiled)" if compiled else "") + (" bf16" if bf16 else "")
         runners.append(Runner(label, model, logits, make_optimizer(model, train_cfg), bf16=bf16))
-    print(f"data {args.data}: {len(corpus.train):,} train / {len(corpus.val):,} validation characters, "
-          f"vocab {tokenizer.vocab_size}; torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"data {args.data}: {len(corpus.train):,} train / {len(corpus.val):,} validation characters, "
+        f"vocab {tokenizer.vocab_size}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     for r in runners:
         print(f"  {r.name}: {num_parameters(r.model):,} parameters")
 
@@ -201,9 +237,11 @@ def main() -> None:
     for other, (_, r1, v1, _) in zip(runners[1:], rows[1:], strict=True):
         # The median over chunks of the per-chunk speed ratio: a load spike on the shared host hits one chunk
         chunk_ratio = float(np.median(np.array(other.chunks) / np.array(first.chunks)))
-        print(f"\n{first.name} / {other.name}: throughput {r0 / r1:.2f}x over the run (median per chunk "
-              f"{chunk_ratio:.2f}x); val loss difference {v0 - v1:+.4f} (nats/char; {math.exp(v0):.3f} vs "
-              f"{math.exp(v1):.3f} perplexity)")  # fmt: skip
+        print(
+            f"\n{first.name} / {other.name}: throughput {r0 / r1:.2f}x over the run (median per chunk "
+            f"{chunk_ratio:.2f}x); val loss difference {v0 - v1:+.4f} (nats/char; {math.exp(v0):.3f} vs "
+            f"{math.exp(v1):.3f} perplexity)"
+        )
 
 
 if __name__ == "__main__":

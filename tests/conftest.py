@@ -121,9 +121,20 @@ def tiny_run(tmp_path, corpus):
 
     def make(name: str = "run", **changes) -> TrainConfig:
         model = changes.pop("model", {})
-        base = dict(out=str(tmp_path / name), data=str(corpus), cache_dir=str(tmp_path / "cache"), steps=12,
-                    batch_size=4, block_size=16, warmup=3, eval_every=4, eval_batches=2, save_every=0, log_every=1,
-                    progress=False)
+        base = dict(
+            out=str(tmp_path / name),
+            data=str(corpus),
+            cache_dir=str(tmp_path / "cache"),
+            steps=12,
+            batch_size=4,
+            block_size=16,
+            warmup=3,
+            eval_every=4,
+            eval_batches=2,
+            save_every=0,
+            log_every=1,
+            progress=False,
+        )
         model = {**TINY_MODEL, **model} if isinstance(model, dict) else model
         return TrainConfig(**{**base, **changes, "model": model})
 

@@ -180,7 +180,7 @@ class RotaryEmbedding(_FixedTables):
         return cos, sin
 
     def rotate(self, x: Tensor, angles: tuple[Tensor, Tensor]) -> Tensor:
-        """``x (B, H, T, D)`` rotated by ``angles = forward(positions)`` (cast to ``x``'s dtype, e.g. under autocast)."""
+        """``x (B, H, T, D)`` turned by ``angles = forward(positions)``, cast to ``x``'s dtype (e.g. under autocast)."""
         cos, sin = angles
         return rotate_pairs(x, cos.to(x.dtype), sin.to(x.dtype), self.interleaved)
 
@@ -317,9 +317,14 @@ class TransformerBlock(nn.Module):
 
         def attention(rope: RotaryEmbedding | None) -> MultiHeadAttention:
             return MultiHeadAttention(
-                cfg.d_model, cfg.num_heads, cfg.bias, cfg.dropout,
-                num_kv_heads=cfg.num_kv_heads, rotary=rope, backend=cfg.attn_backend,
-            )  # fmt: skip
+                cfg.d_model,
+                cfg.num_heads,
+                cfg.bias,
+                cfg.dropout,
+                num_kv_heads=cfg.num_kv_heads,
+                rotary=rope,
+                backend=cfg.attn_backend,
+            )
 
         def norm() -> nn.LayerNorm:
             return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
@@ -354,8 +359,17 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         """``x (B, T, C)``; ``memory (B, S, C)`` for cross-attention; masks broadcastable to ``(B, H, T, *)``;
         ``rope``: the RoPE angles of this batch (:class:`RotaryEmbedding`), shared by every block."""
-        x = self._residual(x, self.self_attn_norm, self.self_attn, None, self_mask, is_causal,
-                           positions=positions, rope=rope, cache=cache)  # fmt: skip
+        x = self._residual(
+            x,
+            self.self_attn_norm,
+            self.self_attn,
+            None,
+            self_mask,
+            is_causal,
+            positions=positions,
+            rope=rope,
+            cache=cache,
+        )
         if self.cross_attn is not None:
             if memory is None and (cache is None or cache.cross_kv is None):
                 raise ValueError("this block has cross-attention: pass the encoder output as memory")

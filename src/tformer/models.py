@@ -154,8 +154,16 @@ class Embedder(nn.Module):
 class _EmbeddedStack(nn.Module):
     """Embedder + BlockStack: the body shared by the encoder, the decoder and the LM."""
 
-    def __init__(self, cfg: TransformerConfig, num_layers: int, *, causal: bool, cross_attention: bool,
-                 scale_embeddings: bool, tokens: nn.Embedding | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        num_layers: int,
+        *,
+        causal: bool,
+        cross_attention: bool,
+        scale_embeddings: bool,
+        tokens: nn.Embedding | None = None,
+    ):
         super().__init__()
         self.cfg, self.causal = cfg, causal
         self.embed = Embedder(cfg, scale=scale_embeddings, tokens=tokens)
@@ -182,8 +190,9 @@ class _EmbeddedStack(nn.Module):
             rope = self.rotary(positions)  # the angles of this batch, once for every block
         self_mask, is_causal = self_attention_mask(mask, T, past, self.causal)
         x = self.embed(ids, positions)  # (B, T, C)
-        return self.stack(x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions,
-                          rope=rope, **kwargs)  # fmt: skip
+        return self.stack(
+            x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, rope=rope, **kwargs
+        )
 
     def new_cache(self) -> list[LayerCache]:
         """An empty key/value cache, one entry per block, for incremental decoding."""
@@ -194,8 +203,9 @@ class Encoder(_EmbeddedStack):
     """Encoder self-attention: queries, keys and values all come from the source; no causal mask."""
 
     def __init__(self, cfg: TransformerConfig, *, tokens: nn.Embedding | None = None, scale_embeddings: bool = True):
-        super().__init__(cfg, cfg.num_layers, causal=False, cross_attention=False,
-                         scale_embeddings=scale_embeddings, tokens=tokens)  # fmt: skip
+        super().__init__(
+            cfg, cfg.num_layers, causal=False, cross_attention=False, scale_embeddings=scale_embeddings, tokens=tokens
+        )
 
     def forward(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """``src_ids (B, S)`` -> memory ``(B, S, C)``."""
@@ -207,10 +217,22 @@ class Decoder(_EmbeddedStack):
     """Masked (causal) self-attention over the target, then cross-attention: queries from the decoder,
     keys and values from the encoder output (``memory``). Without cross-attention it is a GPT body."""
 
-    def __init__(self, cfg: TransformerConfig, *, tokens: nn.Embedding | None = None,
-                 cross_attention: bool = True, scale_embeddings: bool = True):  # fmt: skip
-        super().__init__(cfg, cfg.decoder_layers if cross_attention else cfg.num_layers, causal=True,
-                         cross_attention=cross_attention, scale_embeddings=scale_embeddings, tokens=tokens)  # fmt: skip
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        tokens: nn.Embedding | None = None,
+        cross_attention: bool = True,
+        scale_embeddings: bool = True,
+    ):
+        super().__init__(
+            cfg,
+            cfg.decoder_layers if cross_attention else cfg.num_layers,
+            causal=True,
+            cross_attention=cross_attention,
+            scale_embeddings=scale_embeddings,
+            tokens=tokens,
+        )
 
     def forward(
         self,

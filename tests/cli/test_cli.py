@@ -62,8 +62,10 @@ def test_train_flag_errors_are_one_line(tmp_path, capsys, flags, message):
 def test_train_device_without_cuda(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["train", "--out", str(tmp_path / "run"), "--device", "cuda"]) == 2
-    assert _error_line(capsys) == ("tformer train: error: device 'cuda' is not available here "
-                                   "(torch.cuda.is_available() is False); use --device cpu")  # fmt: skip
+    assert _error_line(capsys) == (
+        "tformer train: error: device 'cuda' is not available here "
+        "(torch.cuda.is_available() is False); use --device cpu"
+    )
 
 
 def test_train_out_that_is_a_file(tmp_path, capsys):
@@ -124,8 +126,14 @@ def test_ctrl_c_while_torch_loads_exits_130_without_a_traceback(tmp_path):
     """``import tformer`` does not load torch, so the CLI holds Ctrl-C back before torch's ~1 s import starts
     (Python itself is up in ~0.1 s), and ends the command with 130 once the imports are done."""
     command = [sys.executable, "-m", "tformer", "train", "--out", str(tmp_path / "run"), "--no-progress"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     time.sleep(0.4)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
@@ -199,14 +207,17 @@ def test_triton_backend_off_cuda_is_a_one_line_error(tmp_path, capsys, monkeypat
 def test_sample_and_translate_check_the_device_first(tmp_path, capsys, monkeypatch, command):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main([command[0], "--checkpoint", str(tmp_path), *command[1:], "--device", "cuda"]) == 2
-    assert _error_line(capsys) == (f"tformer {command[0]}: error: device 'cuda' is not available here "
-                                   "(torch.cuda.is_available() is False); use --device cpu")  # fmt: skip
+    assert _error_line(capsys) == (
+        f"tformer {command[0]}: error: device 'cuda' is not available here "
+        "(torch.cuda.is_available() is False); use --device cpu"
+    )
 
 
 def test_pairs_that_is_a_folder_says_so(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), "--pairs", str(tmp_path)]) == 2
-    assert _error_line(capsys) == (f"tformer train: error: pairs file {tmp_path} is a directory; pass a file of "
-                                   "source<TAB>target lines (--pairs)")  # fmt: skip
+    assert _error_line(capsys) == (
+        f"tformer train: error: pairs file {tmp_path} is a directory; pass a file of source<TAB>target lines (--pairs)"
+    )
 
 
 def test_train_on_a_folder_without_text_leaves_no_out(tmp_path, capsys):
@@ -233,12 +244,25 @@ def _demo_config(out) -> dict:
 def test_train_demo_refuses_to_replace_another_run(tmp_path, capsys, no_training):
     out = tmp_path / "run"
     model = dict(d_model=16, num_heads=2, num_layers=1, d_ff=32)
-    train(TrainConfig(out=str(out), task="reverse", task_max_len=3, task_held_out=10, steps=2, save_every=1,
-                      batch_size=4, model=model, progress=False))  # fmt: skip
+    train(
+        TrainConfig(
+            out=str(out),
+            task="reverse",
+            task_max_len=3,
+            task_held_out=10,
+            steps=2,
+            save_every=1,
+            batch_size=4,
+            model=model,
+            progress=False,
+        )
+    )
     assert main(["train-demo", "--out", str(out)]) == 2
-    assert _error_line(capsys) == (f"tformer train-demo: error: --out {out} holds another run (kind 'seq2seq', 2 "
-                                   "checkpoints); train-demo only replaces its own runs: choose another --out or "
-                                   "delete it")  # fmt: skip
+    assert _error_line(capsys) == (
+        f"tformer train-demo: error: --out {out} holds another run (kind 'seq2seq', 2 "
+        "checkpoints); train-demo only replaces its own runs: choose another --out or "
+        "delete it"
+    )
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
     lm = tmp_path / "lm"  # an LM, but not with the demo's settings
     _fake_checkpoint(lm, "lm", {**_demo_config(lm), "block_size": 64}, 5)
@@ -248,8 +272,10 @@ def test_train_demo_refuses_to_replace_another_run(tmp_path, capsys, no_training
     notes.mkdir()
     (notes / "todo.md").write_text("mine")
     assert main(["train-demo", "--out", str(notes)]) == 2
-    assert _error_line(capsys) == (f"tformer train-demo: error: --out {notes} is not empty and holds no train-demo run "
-                                   "(1 other entry: todo.md); choose another --out or delete it")  # fmt: skip
+    assert _error_line(capsys) == (
+        f"tformer train-demo: error: --out {notes} is not empty and holds no train-demo run "
+        "(1 other entry: todo.md); choose another --out or delete it"
+    )
     assert [p.name for p in notes.iterdir()] == ["todo.md"]  # not even a .lock left behind
 
 
@@ -276,8 +302,9 @@ def test_train_demo_replaces_its_own_runs(tmp_path, capsys, monkeypatch, earlier
 
 
 def _fake_demo(monkeypatch, predicted=(5, 4, 3)) -> None:
-    result = DemoResult(accuracy=0.0, final_loss=1.0, steps=1, seconds=0.0,
-                        examples=[([3, 4, 5], [5, 4, 3], list(predicted))])  # fmt: skip
+    result = DemoResult(
+        accuracy=0.0, final_loss=1.0, steps=1, seconds=0.0, examples=[([3, 4, 5], [5, 4, 3], list(predicted))]
+    )
     monkeypatch.setattr(importlib.import_module("tformer.training.demos"), "run_demo", lambda **kwargs: result)
 
 
@@ -330,8 +357,10 @@ def test_the_cli_module_itself_imports_no_torch():
     package's __init__, imported first by the console script, still imports torch)."""
     from tformer import cli
 
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('cli', sys.argv[1]); "
-            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); print(sorted({'torch', 'numpy'} & "
-            "set(sys.modules)))")  # fmt: skip
+    code = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('cli', sys.argv[1]); "
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec)); print(sorted({'torch', 'numpy'} & "
+        "set(sys.modules)))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, cli.__file__], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr

@@ -46,8 +46,24 @@ def test_cli_sample_streams_what_generate_returns(lm_run, capsys):
     ckpt = load_checkpoint(lm_run)
     tok = ckpt.tokenizer
     new = generate(ckpt.model, [tok.encode("abc")], max_new_tokens=25, seed=3, top_k=5)[0]
-    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "abc", "--max-new-tokens", "25", "--seed", "3",
-                 "--top-k", "5"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(lm_run),
+                "--prompt",
+                "abc",
+                "--max-new-tokens",
+                "25",
+                "--seed",
+                "3",
+                "--top-k",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "abc" + tok.decode(new) + "\n"
     # default length: DEFAULT_NEW_TOKENS, far past the 40 learned positions (a sliding window)
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "hello", "--greedy"]) == 0
@@ -59,10 +75,29 @@ def test_cli_sample_streams_what_generate_returns(lm_run, capsys):
 def test_cli_sample_prompt_longer_than_the_learned_positions(lm_run, capsys):
     ckpt = load_checkpoint(lm_run)
     prompt = ("the quick brown fox jumps over the lazy dog " * 2)[:60]  # 60 tokens, 40 learned positions
-    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", prompt, "--max-new-tokens", "50", "--seed", "1",
-                 "--temperature", "0.8", "--top-p", "0.95"]) == 0  # fmt: skip
-    new = generate(ckpt.model, [ckpt.tokenizer.encode(prompt[-40:])], max_new_tokens=50, seed=1, temperature=0.8,
-                   top_p=0.95)[0]  # fmt: skip
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(lm_run),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "50",
+                "--seed",
+                "1",
+                "--temperature",
+                "0.8",
+                "--top-p",
+                "0.95",
+            ]
+        )
+        == 0
+    )
+    new = generate(
+        ckpt.model, [ckpt.tokenizer.encode(prompt[-40:])], max_new_tokens=50, seed=1, temperature=0.8, top_p=0.95
+    )[0]
     assert capsys.readouterr().out == prompt + ckpt.tokenizer.decode(new) + "\n"
 
 
@@ -70,8 +105,24 @@ def test_cli_sample_tiny_temperature_is_greedy(lm_run, capsys):
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "30", "--greedy"]) == 0
     greedy = capsys.readouterr().out
     for t in ("1e-40", "1e-300"):
-        assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "30",
-                     "--temperature", t, "--seed", "0"]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "sample",
+                    "--checkpoint",
+                    str(lm_run),
+                    "--prompt",
+                    "ab",
+                    "--max-new-tokens",
+                    "30",
+                    "--temperature",
+                    t,
+                    "--seed",
+                    "0",
+                ]
+            )
+            == 0
+        )
         assert capsys.readouterr().out == greedy
 
 
@@ -175,8 +226,25 @@ def test_cli_sample_stop_string_ends_the_output(lm_run, capsys):
     main(["sample", "--checkpoint", str(lm_run), "--prompt", "m", "--greedy", "--max-new-tokens", "30"])
     text = capsys.readouterr().out[1:-1]  # without the prompt and the newline
     stop = text[8:10]
-    assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "m", "--greedy", "--max-new-tokens", "30",
-                 "--stop", stop, "--stop", "zzzz"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(lm_run),
+                "--prompt",
+                "m",
+                "--greedy",
+                "--max-new-tokens",
+                "30",
+                "--stop",
+                stop,
+                "--stop",
+                "zzzz",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "m" + text[: text.index(stop)] + "\n"
 
 
@@ -193,8 +261,9 @@ def test_cli_translate_prints_one_line_per_input_line(seq2seq_run, capsys, monke
             assert output == ""
             continue
         src = torch.tensor([tok.encode(line)])
-        best = beam_search(ckpt.model, src, None, beam_size=3, length_penalty=1.0, bos_id=1, eos_id=2,
-                           max_new_tokens=20)[0]  # fmt: skip
+        best = beam_search(
+            ckpt.model, src, None, beam_size=3, length_penalty=1.0, bos_id=1, eos_id=2, max_new_tokens=20
+        )[0]
         assert output == tok.decode(best)  # batched (right-padded) equals one by one
     assert translate_lines(ckpt.model, ckpt.tokenizer, lines, beam_size=3, length_penalty=1.0) == printed[:-1]
 
@@ -214,7 +283,10 @@ def test_cli_translate_bad_line_is_reported_and_the_others_translated(seq2seq_ru
     with pytest.raises(ValueError, match="'C'"):  # the function alone raises, unless given on_error
         translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "ab C"])
     seen = []
-    assert translate_lines(ckpt.model, ckpt.tokenizer, ["ab C", "abc"], on_error=lambda i, e: seen.append(i)) == ["", good[0]]
+    assert translate_lines(ckpt.model, ckpt.tokenizer, ["ab C", "abc"], on_error=lambda i, e: seen.append(i)) == [
+        "",
+        good[0],
+    ]
     assert seen == [0]
     monkeypatch.setattr(sys, "stdin", io.StringIO("abc\nzyx\n"))
     assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 0  # every line translated: exit code 0
@@ -294,7 +366,9 @@ def test_translate_line_longer_than_learned_positions_is_one_failed_line(random_
     model = random_seq2seq(vocab=tok.vocab_size, seed=3, dtype=torch.float32, position="learned", max_seq_len=8)
     ckpt = SimpleNamespace(model=model, tokenizer=tok)
     failed = []
-    out = translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "abcdefghij", "ab"], on_error=lambda i, e: failed.append((i, str(e))))
+    out = translate_lines(
+        ckpt.model, ckpt.tokenizer, ["abc", "abcdefghij", "ab"], on_error=lambda i, e: failed.append((i, str(e)))
+    )
     assert failed == [(1, "the line is 10 tokens long, more than the model's max_seq_len=8 learned positions")]
     assert out[1] == "" and out[::2] == translate_lines(ckpt.model, ckpt.tokenizer, ["abc", "ab"])
 
@@ -360,13 +434,36 @@ def test_text_stream_writes_as_it_goes_and_never_half_a_character():
 def test_cli_end_to_end_in_a_subprocess(lm_run, seq2seq_run):
     ckpt = load_checkpoint(lm_run)
     new = generate(ckpt.model, [ckpt.tokenizer.encode("ab")], max_new_tokens=12, seed=7, temperature=0.8)[0]
-    run = subprocess.run([sys.executable, "-m", "tformer", "sample", "--checkpoint", str(lm_run), "--prompt", "ab",
-                          "--max-new-tokens", "12", "--seed", "7", "--temperature", "0.8"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tformer",
+            "sample",
+            "--checkpoint",
+            str(lm_run),
+            "--prompt",
+            "ab",
+            "--max-new-tokens",
+            "12",
+            "--seed",
+            "7",
+            "--temperature",
+            "0.8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == "ab" + ckpt.tokenizer.decode(new) + "\n"
-    run = subprocess.run([sys.executable, "-m", "tformer", "translate", "--checkpoint", str(seq2seq_run)],
-                         input="abc\nhello\n", capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tformer", "translate", "--checkpoint", str(seq2seq_run)],
+        input="abc\nhello\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == translate_lines(*_model_and_tokenizer(seq2seq_run), ["abc", "hello"])
 

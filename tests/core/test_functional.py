@@ -119,5 +119,3 @@ def test_rope_layouts_are_permutations_of_each_other():
     torch.testing.assert_close(half[:, perm], inter)
     with pytest.raises(ValueError, match="even"):
         tf.apply_rotary(_rand(2, 5), 0)
-
-

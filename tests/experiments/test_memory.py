@@ -32,7 +32,6 @@ def test_tensors_from_before_the_call_are_not_counted():
     x = torch.ones(N)
     assert peak_allocated_bytes(lambda: x.zero_()) == 0  # in place: nothing new
     assert peak_allocated_bytes(lambda: x * x) == 4 * N  # the product only
-    del x
 
 
 def test_a_materialized_softmax_is_counted_whole():

@@ -31,10 +31,12 @@ def count_reads(monkeypatch):
     return run
 
 
-@pytest.mark.parametrize(("position", "max_seq_len"), [("learned", 64), ("learned", 16), ("rotary", 64),
-                                                       ("sinusoidal", 64)])  # fmt: skip
-def test_greedy_decoding_reads_a_constant_number_of_values(random_lm, random_prompts, count_reads, position,
-                                                           max_seq_len):  # fmt: skip
+@pytest.mark.parametrize(
+    ("position", "max_seq_len"), [("learned", 64), ("learned", 16), ("rotary", 64), ("sinusoidal", 64)]
+)
+def test_greedy_decoding_reads_a_constant_number_of_values(
+    random_lm, random_prompts, count_reads, position, max_seq_len
+):
     """(Learned positions with max_seq_len 16: 40 tokens slide the context window, restarting it 4 times.)"""
     model = random_lm(position=position, max_seq_len=max_seq_len)
     prompts = random_prompts([5, 3])  # left-padded: a masked batch

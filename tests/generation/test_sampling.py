@@ -70,8 +70,10 @@ def test_temperature_raises_probabilities_to_the_power_one_over_t():
         torch.testing.assert_close(apply_temperature(logits, t).softmax(-1), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1e-40), (torch.float32, 1e-50),
-                                               (torch.float16, 1e-9), (torch.float64, 1e-320)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,temperature",
+    [(torch.float32, 1e-40), (torch.float32, 1e-50), (torch.float16, 1e-9), (torch.float64, 1e-320)],
+)
 def test_tiny_temperature_gives_greedy_not_nan(dtype, temperature):
     # z / T overflows to inf (and T itself rounds to 0 in the dtype for 1e-50, 1e-9 in float16)
     logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [4.0, 4.0, 0.5, 1.0]], dtype=dtype)
@@ -92,8 +94,15 @@ def _support_at_each_step(model, prompt, new, **filters):
 def test_generated_tokens_stay_inside_the_truncated_set(random_lm, random_prompts, filters):
     model = random_lm(dtype=torch.float64)
     prompts = random_prompts([5, 2, 8], seed=1)
-    out = generate(model, prompts, max_new_tokens=40, seed=0, temperature=filters.get("temperature", 1.0),
-                   top_k=filters.get("top_k"), top_p=filters.get("top_p"))  # fmt: skip
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens=40,
+        seed=0,
+        temperature=filters.get("temperature", 1.0),
+        top_k=filters.get("top_k"),
+        top_p=filters.get("top_p"),
+    )
     with torch.no_grad():
         for prompt, new in zip(prompts, out):
             assert len(new) == 40
@@ -215,8 +224,14 @@ def test_eos_and_stop_sequences_end_generation_and_are_dropped(random_lm, random
         assert row == (ref[: ref.index(eos)] if eos in ref else ref)
     stop = free[1][6:8]
     streamed: dict[int, list[int]] = {0: [], 1: []}
-    out = generate(model, prompts, max_new_tokens=30, greedy=True, stop=[stop, [VOCAB - 1] * 5],
-                   on_token=lambda b, t: streamed[b].append(t))  # fmt: skip
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens=30,
+        greedy=True,
+        stop=[stop, [VOCAB - 1] * 5],
+        on_token=lambda b, t: streamed[b].append(t),
+    )
     for row, ref in zip(out, free):
         found = any(ref[i : i + 2] == stop for i in range(len(ref) - 1))
         assert row == (ref[: _first(ref, stop)] if found else ref)
@@ -232,8 +247,9 @@ def test_stop_strings_cut_the_text_before_the_stop(random_lm):
     text = tok.decode(free)
     stop = text[10:13]
     shown: list[int] = []
-    out = generate(model, prompt, max_new_tokens=40, greedy=True, stop=[stop], tokenizer=tok,
-                   on_token=lambda b, t: shown.append(t))  # fmt: skip
+    out = generate(
+        model, prompt, max_new_tokens=40, greedy=True, stop=[stop], tokenizer=tok, on_token=lambda b, t: shown.append(t)
+    )
     assert tok.decode(out[0]) == text[: text.index(stop)]
     assert shown == out[0]
 

@@ -83,8 +83,9 @@ def test_large_beam_finds_the_exhaustive_optimum(random_seq2seq, random_sources,
         src, mask = random_sources([5, 3], vocab=vocab, low=0, seed=seed)
         with torch.no_grad():
             expected = _exhaustive_best(model, src, mask, bos=bos, eos=eos, vocab=vocab, max_len=max_len, alpha=alpha)
-        got = beam_search(model, src, mask, beam_size=beam_size, length_penalty=alpha, bos_id=bos, eos_id=eos,
-                          max_new_tokens=max_len)  # fmt: skip
+        got = beam_search(
+            model, src, mask, beam_size=beam_size, length_penalty=alpha, bos_id=bos, eos_id=eos, max_new_tokens=max_len
+        )
         assert got == expected
         greedy = greedy_seq2seq(model, src, mask, bos_id=bos, eos_id=eos, max_new_tokens=max_len)
         non_greedy += sum(g != e for g, e in zip(greedy, expected))

@@ -62,8 +62,9 @@ def test_compiled_and_plain_models_exchange_weights(tmp_path):
     compiled = torch.compile(DecoderLM(cfg))  # lazy: nothing is compiled unless it runs
     assert next(iter(compiled.state_dict())).startswith("_orig_mod.")
     # saved from the compiled model: plain keys on disk, loads into a plain model
-    path = save_checkpoint(tmp_path / "a", model=compiled, tokenizer=ByteTokenizer(), kind="lm", step=1,
-                           train_config={})  # fmt: skip
+    path = save_checkpoint(
+        tmp_path / "a", model=compiled, tokenizer=ByteTokenizer(), kind="lm", step=1, train_config={}
+    )
     assert not any(k.startswith("_orig_mod.") for k in load_file(str(path / "model.safetensors")))
     ckpt = load_checkpoint(path)
     torch.testing.assert_close(ckpt.model.state_dict(), compiled._orig_mod.state_dict(), rtol=0, atol=0)
@@ -198,10 +199,40 @@ def test_pruning_keeps_the_newest_and_ignores_leftovers(tmp_path):
 
 
 def _train_command(out, corpus, cache, *extra):
-    return [sys.executable, "-m", "tformer", "train", "--out", str(out), "--data", str(corpus), "--steps", "100000",
-            "--batch-size", "4", "--block-size", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
-            "--d-ff", "32", "--save-every", "1", "--eval-every", "0", "--log-every", "1", "--no-progress",
-            "--cache-dir", str(cache), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "tformer",
+        "train",
+        "--out",
+        str(out),
+        "--data",
+        str(corpus),
+        "--steps",
+        "100000",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--d-ff",
+        "32",
+        "--save-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--no-progress",
+        "--cache-dir",
+        str(cache),
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -214,8 +245,12 @@ def test_kill_9_at_random_moments_leaves_a_loadable_checkpoint(tmp_path):
     last_step = 0
     for attempt in range(3):
         extra = ["--resume"] if attempt else []
-        proc = subprocess.Popen(_train_command(out, corpus, tmp_path / "cache", *extra), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        proc = subprocess.Popen(
+            _train_command(out, corpus, tmp_path / "cache", *extra),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 60
         while (find_latest(out) is None or load_checkpoint(out).step <= last_step) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read().decode()

@@ -30,15 +30,62 @@ def _free_port() -> int:
 def test_two_processes_match_one_process(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the value is {i * 37 % 101}\n" for i in range(400)))
-    settings = dict(data=str(corpus), cache_dir=str(tmp_path / "cache"), steps=8, batch_size=8, grad_accum=2,
-                    block_size=16, model=dict(d_model=32, num_heads=4, num_layers=2, d_ff=64), warmup=2,
-                    eval_every=4, eval_batches=2, save_every=4, log_every=1, progress=False)  # fmt: skip
-    flags = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--steps", "8", "--batch-size", "8",
-             "--grad-accum", "2", "--block-size", "16", "--d-model", "32", "--heads", "4", "--layers", "2",
-             "--d-ff", "64", "--warmup", "2", "--eval-every", "4", "--eval-batches", "2", "--save-every", "4",
-             "--log-every", "1", "--no-progress"]  # fmt: skip
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                f"--master_port={_free_port()}"]  # fmt: skip
+    settings = dict(
+        data=str(corpus),
+        cache_dir=str(tmp_path / "cache"),
+        steps=8,
+        batch_size=8,
+        grad_accum=2,
+        block_size=16,
+        model=dict(d_model=32, num_heads=4, num_layers=2, d_ff=64),
+        warmup=2,
+        eval_every=4,
+        eval_batches=2,
+        save_every=4,
+        log_every=1,
+        progress=False,
+    )
+    flags = [
+        "--data",
+        str(corpus),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--steps",
+        "8",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--layers",
+        "2",
+        "--d-ff",
+        "64",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "2",
+        "--save-every",
+        "4",
+        "--log-every",
+        "1",
+        "--no-progress",
+    ]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+    ]
     command = [*launcher, "-m", "tformer", "train", "--out", str(tmp_path / "ddp"), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

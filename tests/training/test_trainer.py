@@ -80,8 +80,19 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_run, tmp_path, corpus)
 
 
 def test_seq2seq_task_trains_and_its_tokenizer_speaks_the_task(tmp_path):
-    cfg = TrainConfig(out=str(tmp_path / "add"), task="add", task_max_len=2, task_held_out=50, steps=40,
-                      batch_size=16, model={}, warmup=5, eval_every=20, lr=3e-3, progress=False)  # fmt: skip
+    cfg = TrainConfig(
+        out=str(tmp_path / "add"),
+        task="add",
+        task_max_len=2,
+        task_held_out=50,
+        steps=40,
+        batch_size=16,
+        model={},
+        warmup=5,
+        eval_every=20,
+        lr=3e-3,
+        progress=False,
+    )
     result = train(cfg)
     assert result.kind == "seq2seq" and 0.0 <= result.val_accuracy <= 1.0
     assert result.losses[40] < result.losses[1]
@@ -95,8 +106,17 @@ def test_seq2seq_pairs_with_bpe(tmp_path):
     pairs = tmp_path / "pairs.tsv"
     words = ["cat", "dog", "house", "tree", "book", "water", "sun", "moon", "star", "road"]
     pairs.write_text("".join(f"the {a} and the {b}\t{b} {a}\n" for a in words for b in words))
-    cfg = TrainConfig(out=str(tmp_path / "p"), pairs=str(pairs), tokenizer="bpe", vocab_size=300, steps=6,
-                      batch_size=8, model={}, warmup=2, progress=False)  # fmt: skip
+    cfg = TrainConfig(
+        out=str(tmp_path / "p"),
+        pairs=str(pairs),
+        tokenizer="bpe",
+        vocab_size=300,
+        steps=6,
+        batch_size=8,
+        model={},
+        warmup=2,
+        progress=False,
+    )
     result = train(cfg)
     ckpt = load_checkpoint(tmp_path / "p")
     assert ckpt.tokenizer.kind == "bpe" and ckpt.config.vocab_size == ckpt.tokenizer.vocab_size <= 300
@@ -113,7 +133,9 @@ def test_char_tokenizer_lm_and_bfloat16_autocast(tiny_run, tmp_path, corpus):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_bfloat16_without_native_cpu_support_says_float32_is_faster(tiny_run, tmp_path, corpus, capsys, monkeypatch, native):
+def test_bfloat16_without_native_cpu_support_says_float32_is_faster(
+    tiny_run, tmp_path, corpus, capsys, monkeypatch, native
+):
     monkeypatch.setattr(importlib.import_module("tformer.training.trainer"), "cpu_has_native_bfloat16", lambda: native)
     train(tiny_run(dtype="bfloat16", steps=2, eval_every=0, device="cpu"))
     said = "no native bfloat16 arithmetic" in capsys.readouterr().err
@@ -146,8 +168,22 @@ def test_clear_errors(tiny_run, tmp_path, corpus):
 def test_cli_resume_takes_the_saved_settings(tmp_path, corpus):
     parser = build_parser()
     common = ["train", "--out", str(tmp_path / "cli"), "--no-progress"]
-    flags = ["--data", str(corpus), "--steps", "3", "--block-size", "16", "--d-model", "32", "--layers", "1",
-             "--batch-size", "4", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    flags = [
+        "--data",
+        str(corpus),
+        "--steps",
+        "3",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--batch-size",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "c"),
+    ]
     args = parser.parse_args([*common, *flags])
     assert args.func(args) == 0
     resumed = config_from_args(parser.parse_args([*common, "--resume", "--steps", "5", "--lr", "5e-4"]))
@@ -160,12 +196,38 @@ def test_cli_resume_takes_the_saved_settings(tmp_path, corpus):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
     out = tmp_path / "sigint"
-    command = [sys.executable, "-m", "tformer", "train", "--out", str(out), "--data", str(corpus), "--steps",
-               "1000000", "--batch-size", "4", "--block-size", "16", "--d-model", "32", "--layers", "1",
-               "--save-every", "0", "--eval-every", "0", "--log-every", "1", "--no-progress",
-               "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
-    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tformer",
+        "train",
+        "--out",
+        str(out),
+        "--data",
+        str(corpus),
+        "--steps",
+        "1000000",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--save-every",
+        "0",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--no-progress",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    proc = subprocess.Popen(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while not (metrics.exists() and metrics.stat().st_size > 0) and time.monotonic() < deadline:
@@ -226,21 +288,28 @@ def test_resume_mid_window_logs_what_a_straight_run_logs(tiny_run, tmp_path, cor
         (dict(seed=2**63), r"^seed must be an integer in \[0, 2\*\*63\) \(--seed\); got 9223372036854775808$"),
         (dict(keep=0), r"^keep must be a positive integer \(--keep\); got 0$"),
         (dict(task_held_out=0), r"^task_held_out must be a positive integer \(--task-held-out\); got 0$"),
-        (dict(batch_size=7, grad_accum=2),
-         r"^batch_size=7 must divide evenly into grad_accum=2 micro-batches \(--batch-size, --grad-accum\)$"),
-        (dict(model=dict(num_heads=3)),
-         r"^TransformerConfig.d_model=32 is not divisible by num_heads=3; .* \(--d-model, --heads\)$"),
-        (dict(model=dict(num_kv_heads=3)),
-         r"^TransformerConfig.num_kv_heads=3 must divide num_heads=4 \(--heads, --kv-heads\)$"),
-        (dict(model=dict(dropout=float("nan"))),
-         r"^TransformerConfig.dropout must be in \[0, 1\); got nan \(--dropout\)$"),
-        (dict(model=dict(position="learned", max_seq_len=8)),
-         r"model max_seq_len=8 is shorter than the 16 positions"),
+        (
+            dict(batch_size=7, grad_accum=2),
+            r"^batch_size=7 must divide evenly into grad_accum=2 micro-batches \(--batch-size, --grad-accum\)$",
+        ),
+        (
+            dict(model=dict(num_heads=3)),
+            r"^TransformerConfig.d_model=32 is not divisible by num_heads=3; .* \(--d-model, --heads\)$",
+        ),
+        (
+            dict(model=dict(num_kv_heads=3)),
+            r"^TransformerConfig.num_kv_heads=3 must divide num_heads=4 \(--heads, --kv-heads\)$",
+        ),
+        (
+            dict(model=dict(dropout=float("nan"))),
+            r"^TransformerConfig.dropout must be in \[0, 1\); got nan \(--dropout\)$",
+        ),
+        (dict(model=dict(position="learned", max_seq_len=8)), r"model max_seq_len=8 is shorter than the 16 positions"),
         (dict(betas=5), r"^betas must be two numbers \(--betas\); got 5$"),
         (dict(data=5), r"^data must be a path \(--data\); got 5$"),
         (dict(model="x"), r"^model must be a dict of TransformerConfig fields; got 'x'$"),
     ],
-)  # fmt: skip
+)
 def test_settings_out_of_range_are_rejected_before_training(tiny_run, tmp_path, corpus, changes, message):
     with pytest.raises(ValueError, match=message):
         train(tiny_run(**changes))
@@ -274,8 +343,10 @@ def test_divergence_stops_before_saving_broken_weights(tiny_run, tmp_path, corpu
         return s * float("nan") if len(calls) >= 7 else s
 
     monkeypatch.setattr(module, "lm_loss_sum", poisoned)
-    message = (r"training diverged: the training loss is nan at step 7; lower --lr \(now 0.001\), raise --warmup "
-               r"\(now 3\) or lower --grad-clip \(now 1\); checkpoints up to step-000006 are intact")  # fmt: skip
+    message = (
+        r"training diverged: the training loss is nan at step 7; lower --lr \(now 0.001\), raise --warmup "
+        r"\(now 3\) or lower --grad-clip \(now 1\); checkpoints up to step-000006 are intact"
+    )
     with pytest.raises(TrainingError, match=message):
         train(tiny_run(eval_every=0, save_every=2, log_every=4))
     out = tmp_path / "run"
@@ -317,8 +388,11 @@ def test_weights_broken_by_the_update_of_a_save_step_are_not_saved(tiny_run, tmp
 def test_a_second_run_on_the_same_out_fails_at_once(tiny_run, tmp_path, corpus):
     cfg = tiny_run(steps=2)
     with run_lock(cfg.out):  # as another process would hold it
-        with pytest.raises(TrainingError, match=rf"another tformer run is writing to .*run \(pid {os.getpid()}\); "
-                           "wait for it or choose another --out"):  # fmt: skip
+        with pytest.raises(
+            TrainingError,
+            match=rf"another tformer run is writing to .*run \(pid {os.getpid()}\); "
+            "wait for it or choose another --out",
+        ):
             train(cfg)
         assert not (tmp_path / "run" / "checkpoints").exists()
     assert train(cfg).step == 2  # released when the holder is done
@@ -338,8 +412,10 @@ def test_damaged_latest_checkpoint_names_the_newest_good_one(tiny_run, tmp_path,
     out = tmp_path / "run"
     weights = out / "checkpoints" / "step-000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    message = (r"checkpoint step-000004 is damaged \(.*model.safetensors: truncated.*\); delete it to resume from "
-               r"step-000002")  # fmt: skip
+    message = (
+        r"checkpoint step-000004 is damaged \(.*model.safetensors: truncated.*\); delete it to resume from "
+        r"step-000002"
+    )
     with pytest.raises(CheckpointError, match=message):
         train(tiny_run(steps=6, save_every=2, eval_every=0, resume=True))
     parser = build_parser()
@@ -354,8 +430,21 @@ def test_damaged_latest_checkpoint_names_the_newest_good_one(tiny_run, tmp_path,
 def test_relative_data_path_resumes_from_another_directory(tmp_path, corpus, monkeypatch):
     parser = build_parser()
     monkeypatch.chdir(tmp_path)
-    flags = ["--data", corpus.name, "--block-size", "16", "--d-model", "32", "--layers", "1", "--batch-size", "4",
-             "--cache-dir", "cache", "--no-progress"]  # fmt: skip
+    flags = [
+        "--data",
+        corpus.name,
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--batch-size",
+        "4",
+        "--cache-dir",
+        "cache",
+        "--no-progress",
+    ]
     args = parser.parse_args(["train", "--out", "run", "--steps", "2", *flags])
     assert args.func(args) == 0
     saved = read_manifest(find_latest(tmp_path / "run"))["train_config"]
@@ -370,24 +459,39 @@ def test_relative_data_path_resumes_from_another_directory(tmp_path, corpus, mon
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--task", "reverse", "--tokenizer", "bpe", "--vocab-size", "5000", "--unknown", "skip", "--block-size", "7"],
-         r"^--tokenizer, --vocab-size, --unknown do not apply to --task runs \(their tokenizer is the task's "
-         r"alphabet\); --block-size does not apply to --task runs \(.*\); leave them out$"),
+        (
+            [
+                "--task",
+                "reverse",
+                "--tokenizer",
+                "bpe",
+                "--vocab-size",
+                "5000",
+                "--unknown",
+                "skip",
+                "--block-size",
+                "7",
+            ],
+            r"^--tokenizer, --vocab-size, --unknown do not apply to --task runs \(their tokenizer is the task's "
+            r"alphabet\); --block-size does not apply to --task runs \(.*\); leave them out$",
+        ),
         (["--task", "reverse", "--tokenizer", "byte"], r"^--tokenizer does not apply to --task runs .*; leave it out$"),
         (["--pairs", "p.tsv", "--block-size", "7"], r"^--block-size does not apply to --pairs runs"),
         (["--label-smoothing", "0.2"], r"^--label-smoothing does not apply to language-model \(--data\) runs"),
         (["--tokenizer", "char", "--vocab-size", "300"], r"^--vocab-size does not apply .*tokenizer is char\)"),
     ],
-)  # fmt: skip
+)
 def test_flags_that_do_not_apply_to_the_run_are_errors(flags, message):
     with pytest.raises(ValueError, match=message):
         config_from_args(build_parser().parse_args(["train", "--out", "x", *flags]))
 
 
 def test_flags_that_apply_are_accepted():
-    for flags in (["--task", "add", "--task-max-len", "3", "--label-smoothing", "0"],
-                  ["--pairs", "p.tsv", "--tokenizer", "bpe", "--vocab-size", "300"],
-                  ["--tokenizer", "char", "--unknown", "skip", "--block-size", "64"]):  # fmt: skip
+    for flags in (
+        ["--task", "add", "--task-max-len", "3", "--label-smoothing", "0"],
+        ["--pairs", "p.tsv", "--tokenizer", "bpe", "--vocab-size", "300"],
+        ["--tokenizer", "char", "--unknown", "skip", "--block-size", "64"],
+    ):
         config_from_args(build_parser().parse_args(["train", "--out", "x", *flags]))
 
 
@@ -461,8 +565,10 @@ def test_skipped_files_of_a_data_folder_are_reported_once(tiny_run, tmp_path, co
     (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0")
     (folder / "latin1.txt").write_bytes(b"caf\xe9\n")
     train(tiny_run(data=str(folder), steps=1, eval_every=0))
-    assert capsys.readouterr().err == (f"data: skipped 1 hidden entry (.git) and 2 files that are not UTF-8 text "
-                                       f"(image.png, latin1.txt) under {folder}\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        f"data: skipped 1 hidden entry (.git) and 2 files that are not UTF-8 text "
+        f"(image.png, latin1.txt) under {folder}\n"
+    )
     train(tiny_run("clean", steps=1, eval_every=0))
     assert capsys.readouterr().err == ""  # nothing skipped, nothing said
 
@@ -479,8 +585,22 @@ def test_a_run_trained_with_triton_resumes_on_the_cpu(tmp_path, corpus, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parser = build_parser()
     common = ["train", "--out", str(tmp_path / "run"), "--no-progress"]
-    flags = ["--data", str(corpus), "--block-size", "16", "--d-model", "32", "--layers", "1", "--batch-size", "4",
-             "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0"]  # fmt: skip
+    flags = [
+        "--data",
+        str(corpus),
+        "--block-size",
+        "16",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+        "--batch-size",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--eval-every",
+        "0",
+    ]
     args = parser.parse_args([*common, *flags, "--steps", "2"])
     assert args.func(args) == 0
 
@@ -506,14 +626,20 @@ def test_a_run_trained_with_triton_resumes_on_the_cpu(tmp_path, corpus, monkeypa
     ("field", "value", "message"),
     [
         ("model", "x", r"malformed train_config: model must be a dict of TransformerConfig fields; got 'x'$"),
-        ("model", {"num_heads": "x"}, r"malformed train_config: model: TransformerConfig.num_heads must be a positive "
-                                      r"integer; got 'x' \(--heads\)$"),
+        (
+            "model",
+            {"num_heads": "x"},
+            r"malformed train_config: model: TransformerConfig.num_heads must be a positive "
+            r"integer; got 'x' \(--heads\)$",
+        ),
         ("betas", 5, r"malformed train_config: betas must be two numbers \(--betas\); got 5$"),
         ("data", 5, r"malformed train_config: data must be a path \(--data\); got 5$"),
         ("warmup", "many", r"malformed train_config: warmup must be an integer \(--warmup\); got 'many'$"),
     ],
-)  # fmt: skip
-def test_a_malformed_saved_train_config_names_the_manifest_and_the_field(tiny_run, tmp_path, corpus, field, value, message):
+)
+def test_a_malformed_saved_train_config_names_the_manifest_and_the_field(
+    tiny_run, tmp_path, corpus, field, value, message
+):
     train(tiny_run(steps=2, eval_every=0))
     _edit_manifests(tmp_path / "run", lambda manifest: manifest["train_config"].update({field: value}))
     args = build_parser().parse_args(["train", "--out", str(tmp_path / "run"), "--resume", "--steps", "3"])

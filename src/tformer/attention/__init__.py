@@ -139,6 +139,12 @@ def scaled_dot_product_attention(
 
 
 __all__ = [
-    "BACKENDS", "BACKEND_NAMES", "AttentionFn", "Backend", "attend", "auto_backend", "resolve",
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "AttentionFn",
+    "Backend",
+    "attend",
+    "auto_backend",
+    "resolve",
     "scaled_dot_product_attention",
 ]

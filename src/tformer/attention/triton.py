@@ -87,11 +87,17 @@ def _jit_all() -> None:
 # enough for head dims up to 256 (see _prune_wide_heads). Each entry costs one compilation per shape
 # class and one timing per key, so the lists stay short.
 _TILES = {
-    "_fwd_kernel": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3),
-                    (64, 32, 4, 2)],
+    "_fwd_kernel": [
+        (128, 128, 8, 3),
+        (128, 128, 8, 2),
+        (128, 64, 4, 3),
+        (128, 64, 4, 4),
+        (64, 64, 4, 3),
+        (64, 32, 4, 2),
+    ],
     "_bwd_dq_kernel": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
     "_bwd_dkdv_kernel": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)],
-}  # fmt: skip
+}
 _TUNE_KEY = ["L", "S", "E", "EV", "GROUPS", "MASK_KIND", "IS_CAUSAL"]  # triton adds the tensors' dtypes
 
 
@@ -119,8 +125,25 @@ def _store_tile(ptr, x, first_row, rows, n_rows, dims, n_dims):
     tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
 
 
-def _score_tile(q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale,
-                MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _score_tile(
+    q,
+    k,
+    rows,
+    cols,
+    b,
+    h,
+    Mask,
+    smb,
+    smh,
+    sml,
+    sms,
+    L,
+    S,
+    qk_scale,
+    MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """``z = log2(e) * (q k^T * scale + mask)`` for a (BLOCK_M, BLOCK_N) tile; forbidden -> -inf."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     allowed = (rows[:, None] < L) & (cols[None, :] < S)
@@ -137,10 +160,32 @@ def _score_tile(q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale
     return tl.where(allowed, s, -float("inf"))
 
 
-def _fwd_kernel(Q, K, V, Mask, Out, Lse, smb, smh, sml, sms, H, L, S, E, EV, qk_scale,
-                GROUPS: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_EV: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Mask,
+    Out,
+    Lse,
+    smb,
+    smh,
+    sml,
+    sms,
+    H,
+    L,
+    S,
+    E,
+    EV,
+    qk_scale,
+    GROUPS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_EV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program: BLOCK_M query rows of head h, online softmax over the key tiles."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)  # query tile; b * H + h
     b, h = bh // H, bh % H
@@ -157,8 +202,9 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse, smb, smh, sml, sms, H, L, S, E, EV, qk_
     for j0 in range(0, hi, BLOCK_N):
         cols = j0 + offs_n
         k = _load_tile(K, bhk * S, cols, S, dims, E)  # (BLOCK_N, BLOCK_E)
-        z = _score_tile(q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale,
-                        MASK_KIND, IS_CAUSAL, PRECISION)  # fmt: skip
+        z = _score_tile(
+            q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale, MASK_KIND, IS_CAUSAL, PRECISION
+        )
         m_new = tl.maximum(m, tl.max(z, 1))
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing allowed yet
         p = tl.exp2(z - m_use[:, None])
@@ -173,10 +219,35 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse, smb, smh, sml, sms, H, L, S, E, EV, qk_
     tl.store(Lse + bh * L + rows, lse2, mask=rows < L)
 
 
-def _bwd_dq_kernel(Q, K, V, Mask, DO, Lse, Delta, DQ, smb, smh, sml, sms, H, L, S, E, EV,
-                   qk_scale, sm_scale, GROUPS: tl.constexpr, MASK_KIND: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    Mask,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    smb,
+    smh,
+    sml,
+    sms,
+    H,
+    L,
+    S,
+    E,
+    EV,
+    qk_scale,
+    sm_scale,
+    GROUPS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_EV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dQ_i = scale * sum_j dZ_ij K_j  with  dZ = P * (dO V^T - D),  P = 2^(z - lse2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -195,18 +266,45 @@ def _bwd_dq_kernel(Q, K, V, Mask, DO, Lse, Delta, DQ, smb, smh, sml, sms, H, L, 
         cols = j0 + offs_n
         k = _load_tile(K, bhk * S, cols, S, dims, E)
         v = _load_tile(V, bhk * S, cols, S, vdims, EV)
-        z = _score_tile(q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale,
-                        MASK_KIND, IS_CAUSAL, PRECISION)  # fmt: skip
+        z = _score_tile(
+            q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale, MASK_KIND, IS_CAUSAL, PRECISION
+        )
         p = tl.exp2(z - lse[:, None])
         dz = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
     _store_tile(DQ, dq * sm_scale, bh * L, rows, L, dims, E)
 
 
-def _bwd_dkdv_kernel(Q, K, V, Mask, DO, Lse, Delta, DK, DV, smb, smh, sml, sms, H, L, S, E, EV,
-                     qk_scale, sm_scale, GROUPS: tl.constexpr, MASK_KIND: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    Mask,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    smb,
+    smh,
+    sml,
+    sms,
+    H,
+    L,
+    S,
+    E,
+    EV,
+    qk_scale,
+    sm_scale,
+    GROUPS: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_EV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dV_j = sum_i P_ij^T dO_i,  dK_j = scale * sum_i dZ_ij^T Q_i, over the G heads sharing head hk."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)  # key tile; b * Hkv + hk
     b, hk = bhk // (H // GROUPS), bhk % (H // GROUPS)
@@ -228,8 +326,9 @@ def _bwd_dkdv_kernel(Q, K, V, Mask, DO, Lse, Delta, DK, DV, smb, smh, sml, sms, 
             do = _load_tile(DO, bh * L, rows, L, vdims, EV)
             lse = tl.load(Lse + bh * L + rows, mask=rows < L, other=float("inf"))
             delta = tl.load(Delta + bh * L + rows, mask=rows < L, other=0.0)
-            z = _score_tile(q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale,
-                            MASK_KIND, IS_CAUSAL, PRECISION)  # fmt: skip
+            z = _score_tile(
+                q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale, MASK_KIND, IS_CAUSAL, PRECISION
+            )
             p = tl.exp2(z - lse[:, None])  # (BLOCK_M, BLOCK_N); 0 where forbidden or the row is empty
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dz = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
@@ -316,10 +415,13 @@ def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_caus
         if mask.dtype == torch.bool:
             mask_arg, kind = mask_arg.view(torch.uint8), MASK_BOOL
     meta = dict(
-        GROUPS=H // k.shape[1], MASK_KIND=kind, IS_CAUSAL=is_causal,
-        BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_EV=max(16, triton.next_power_of_2(EV)),
+        GROUPS=H // k.shape[1],
+        MASK_KIND=kind,
+        IS_CAUSAL=is_causal,
+        BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_EV=max(16, triton.next_power_of_2(EV)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
     return mask_arg, strides, (H, L, S, E, EV), meta
 
 

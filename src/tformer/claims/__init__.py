@@ -49,7 +49,21 @@ from tformer.claims.checker import (
 )
 
 __all__ = [
-    "BUILTIN_CLAIMS", "DEFAULT_MEMORY_MB", "DEFAULT_TIMEOUT_S", "STATUSES", "Claim", "ClaimResult",
-    "ClaimsInputError", "Limits", "builtin_claims", "check_claim", "check_claims", "format_row",
-    "iter_check_claims", "load_claims", "parse_claims", "summarize", "summary_line",
+    "BUILTIN_CLAIMS",
+    "DEFAULT_MEMORY_MB",
+    "DEFAULT_TIMEOUT_S",
+    "STATUSES",
+    "Claim",
+    "ClaimResult",
+    "ClaimsInputError",
+    "Limits",
+    "builtin_claims",
+    "check_claim",
+    "check_claims",
+    "format_row",
+    "iter_check_claims",
+    "load_claims",
+    "parse_claims",
+    "summarize",
+    "summary_line",
 ]

@@ -1,6 +1,5 @@
 """Loading, checking and reporting claims files: the API of ``tformer verify-claims`` (see :mod:`tformer.claims`)."""
 
-
 from __future__ import annotations
 
 import contextlib

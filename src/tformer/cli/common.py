@@ -19,8 +19,9 @@ def load_run(path: str, kind: str, device: str, command: str):
         raise _damaged_latest_error(path, err) from err
     if ckpt.kind != kind:
         other = "translate" if kind == "lm" else "sample"
-        raise ValueError(f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} "
-                         f"(use `tformer {other}`)")  # fmt: skip
+        raise ValueError(
+            f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} (use `tformer {other}`)"
+        )
     return ckpt
 
 
@@ -44,10 +45,12 @@ def _damaged_latest_error(path: str, err: Exception) -> Exception:
         return err
     older = last_good_checkpoint(found[:-1])
     if older is not None:
-        return CheckpointError(f"the newest checkpoint {found[-1]} is damaged ({err}); delete it, or pass "
-                               f"--checkpoint {older}")  # fmt: skip
-    return CheckpointError(f"the newest checkpoint {found[-1]} is damaged ({err}); no earlier checkpoint of {path} "
-                           "verifies")  # fmt: skip
+        return CheckpointError(
+            f"the newest checkpoint {found[-1]} is damaged ({err}); delete it, or pass --checkpoint {older}"
+        )
+    return CheckpointError(
+        f"the newest checkpoint {found[-1]} is damaged ({err}); no earlier checkpoint of {path} verifies"
+    )
 
 
 def report_errors(command: str, run: Callable[[], int]) -> int:

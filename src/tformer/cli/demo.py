@@ -79,8 +79,10 @@ def _train_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     demos.clear_demo_run(out, cfg)
     model = demos.DEMO_MODEL
-    print(f"training a {model['num_layers']}-layer GPT (d_model {model['d_model']}, context {cfg.block_size} bytes) on "
-          f"the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves")  # fmt: skip
+    print(
+        f"training a {model['num_layers']}-layer GPT (d_model {model['d_model']}, context {cfg.block_size} bytes) on "
+        f"the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves"
+    )
     start = time.perf_counter()
     result = train(cfg)
     print(summary(result))
@@ -105,4 +107,3 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 0
 
     return _errors("demo", run)
-

@@ -48,8 +48,9 @@ def _run_experiment(args: argparse.Namespace) -> int:
             print(f"{name:<15} {module.QUESTION:<13} {module.TITLE}")
         return 0
     if args.name is None:
-        print(f"tformer experiment: give an experiment NAME (one of: {', '.join(EXPERIMENTS)}) or --list",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"tformer experiment: give an experiment NAME (one of: {', '.join(EXPERIMENTS)}) or --list", file=sys.stderr
+        )
         return 2
     try:
         load(args.name)

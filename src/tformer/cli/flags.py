@@ -19,8 +19,15 @@ from tformer.training.config import LM_MODEL, MODEL_FLAGS, SEQ2SEQ_MODEL, ModelF
 from tformer.training.settings import field_types, flag_of, info
 
 MODEL_DEST = "model."
-GROUP_TITLES = {"run": None, "source": None, "tokenizer": "tokenizer", "model": "model",
-                "optimization": "optimization", "data": "data", "bookkeeping": "bookkeeping"}  # fmt: skip
+GROUP_TITLES = {
+    "run": None,
+    "source": None,
+    "tokenizer": "tokenizer",
+    "model": "model",
+    "optimization": "optimization",
+    "data": "data",
+    "bookkeeping": "bookkeeping",
+}
 
 
 def _plain(annotation: Any) -> Any:
@@ -40,7 +47,9 @@ def _argument(flag: str, dest: str, annotation: Any, help_text: str, default: An
         kwargs["choices"] = list(get_args(kind))
     elif get_origin(kind) is tuple:
         items = get_args(kind)
-        kwargs.update(nargs=len(items), type=items[0], metavar=tuple(f"{dest.upper()}{i + 1}" for i in range(len(items))))
+        kwargs.update(
+            nargs=len(items), type=items[0], metavar=tuple(f"{dest.upper()}{i + 1}" for i in range(len(items)))
+        )
     else:
         kwargs["type"] = kind
     kwargs["help"] = help_text + shown
@@ -66,8 +75,9 @@ def _words(words: dict[str, Any]):
     return convert
 
 
-def add_train_flags(parser: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
-                    defaults: dict[str, Any] | None = None) -> None:  # fmt: skip
+def add_train_flags(
+    parser: argparse.ArgumentParser, *, only: Iterable[str] | None = None, defaults: dict[str, Any] | None = None
+) -> None:
     """Add the flags of TrainConfig's fields (all, or ``only`` these) and the model flags, grouped as the fields say.
     ``defaults`` changes the default a help text shows (e.g. the demo's own)."""
     types, defaults = field_types(TrainConfig), defaults or {}
@@ -110,8 +120,14 @@ def _add_model_flag(group, name: str, spec: ModelFlag, annotation: Any, help_tex
         lm, s2s = (_said(model[name], spec) for model in (LM_MODEL, SEQ2SEQ_MODEL))
         help_text += f" (default {lm})" if lm == s2s else f" (default {lm} for LMs, {s2s} for seq2seq)"
     if spec.words is not None:
-        group.add_argument(spec.flag, dest=dest, type=_words(spec.words), default=argparse.SUPPRESS,
-                           metavar="{" + ",".join(spec.words) + "}", help=help_text)  # fmt: skip
+        group.add_argument(
+            spec.flag,
+            dest=dest,
+            type=_words(spec.words),
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(spec.words) + "}",
+            help=help_text,
+        )
         return
     names, kwargs = _argument(spec.flag, dest, annotation, help_text, None)
     if "choices" not in kwargs:

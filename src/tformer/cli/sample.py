@@ -16,22 +16,30 @@ from tformer.generation.text import DEFAULT_NEW_TOKENS, sample_to
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
-        "sample", help="continue a prompt with a trained language model, streaming to stdout",
+        "sample",
+        help="continue a prompt with a trained language model, streaming to stdout",
         description="Sample from a language-model checkpoint. Tokens are printed as they are made; text that could "
         "begin a --stop string is held back until it cannot.",
-    )  # fmt: skip
+    )
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
     p.add_argument("--prompt", required=True, help="the text to continue (must encode to at least one token)")
-    more = (f"tokens to generate (default {DEFAULT_NEW_TOKENS}); a model with learned positions sees a sliding "
-            "window of at most its max_seq_len latest tokens")  # fmt: skip
+    more = (
+        f"tokens to generate (default {DEFAULT_NEW_TOKENS}); a model with learned positions sees a sliding "
+        "window of at most its max_seq_len latest tokens"
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help=more)
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature > 0 (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus: the most likely tokens holding mass >= p")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (ignores the three above)")
     p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**63) (default: unseeded)")
-    p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="end when the generated text contains STR (not printed); repeatable")  # fmt: skip
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="end when the generated text contains STR (not printed); repeatable",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
     p.set_defaults(func=_run_sample)
 
@@ -41,9 +49,19 @@ def _run_sample(args: argparse.Namespace) -> int:
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
         row_seeds(args.seed, 1)
         ckpt = load_run(args.checkpoint, "lm", args.device, "sample")
-        sample_to(sys.stdout, ckpt.model, ckpt.tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, seed=args.seed,
-                  stop=args.stop or None)  # fmt: skip
+        sample_to(
+            sys.stdout,
+            ckpt.model,
+            ckpt.tokenizer,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            greedy=args.greedy,
+            seed=args.seed,
+            stop=args.stop or None,
+        )
         return 0
 
     return report_errors("sample", run)

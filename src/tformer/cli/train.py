@@ -51,8 +51,7 @@ def _saved_settings(given: dict[str, Any], model: dict[str, Any]) -> dict[str, A
     out = given["out"]
     latest = find_latest(out)
     if latest is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {Path(out) / 'checkpoints'}; train without --resume "
-                                "first")  # fmt: skip
+        raise FileNotFoundError(f"--resume: no checkpoint in {Path(out) / 'checkpoints'}; train without --resume first")
     try:
         manifest = read_manifest(latest)
     except CheckpointError as err:
@@ -131,16 +130,20 @@ def _run_train(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED if result.interrupted else 0
     print(summary(result))
     if result.interrupted:
-        print(f"interrupted at step {result.step}; checkpoint saved. Continue with: tformer train --out {cfg.out} "
-              "--resume")  # fmt: skip
+        print(
+            f"interrupted at step {result.step}; checkpoint saved. Continue with: tformer train --out {cfg.out} "
+            "--resume"
+        )
         return EXIT_INTERRUPTED
     return 0
 
 
 def summary(result) -> str:
     """What ``tformer train`` prints at the end of a run."""
-    lines = [f"trained to step {result.step} in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
-             f"{result.num_parameters:,} parameters)"]  # fmt: skip
+    lines = [
+        f"trained to step {result.step} in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
+        f"{result.num_parameters:,} parameters)"
+    ]
     if result.losses:
         lines.append(f"training loss {result.final_loss:.4f} (mean of the last 20 steps)")
     if result.val_losses:

@@ -19,18 +19,23 @@ from tformer.generation.text import translate_lines
 
 def add_cli(subparsers) -> None:
     t = subparsers.add_parser(
-        "translate", help="translate stdin line by line with a seq2seq checkpoint (beam search)",
+        "translate",
+        help="translate stdin line by line with a seq2seq checkpoint (beam search)",
         description="Read source lines (UTF-8) from stdin; print one output line per input line. An empty line gives "
         "an empty line. A line that cannot be translated (not valid UTF-8, a character the tokenizer does not know, "
         "or longer than the model's learned positions) gives an empty line and a message 'line N: reason' on stderr; "
         "the other lines are still translated, and the exit code is then 1 (0 when every line was translated).",
-    )  # fmt: skip
+    )
     t.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
     t.add_argument("--beam-size", type=int, default=4, help="beams per source (default 4; 1 = greedy)")
     alpha = "GNMT alpha: score log P / ((5 + |Y|)/6)^alpha (default 0.6; 0 = plain log-probability)"
     t.add_argument("--length-penalty", type=float, default=0.6, help=alpha)
-    t.add_argument("--max-new-tokens", type=int, default=None,
-                   help="longest output in tokens, EOS included (default: the model's max_seq_len)")  # fmt: skip
+    t.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="longest output in tokens, EOS included (default: the model's max_seq_len)",
+    )
     t.add_argument("--batch-size", type=int, default=32, help="lines decoded together when stdin is not a terminal")
     t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
     t.set_defaults(func=_run_translate)
@@ -63,8 +68,10 @@ def _stdin_lines() -> Iterable[bytes | str]:
     """The lines of stdin as bytes (each decoded by :func:`_decode_line`, so one bad byte fails one line), or as
     text when stdin was replaced by a text stream without a byte buffer."""
     if sys.stdin is None:
-        raise ValueError("there is no standard input (stdin is closed); pipe the source lines in, e.g. "
-                         "`echo 31415 | tformer translate --checkpoint DIR`")  # fmt: skip
+        raise ValueError(
+            "there is no standard input (stdin is closed); pipe the source lines in, e.g. "
+            "`echo 31415 | tformer translate --checkpoint DIR`"
+        )
     return getattr(sys.stdin, "buffer", sys.stdin)
 
 
@@ -75,11 +82,13 @@ def _check_translate_args(args: argparse.Namespace) -> None:
     if args.beam_size < 1:
         raise ValueError(f"--beam-size must be >= 1 (1 = greedy); got {args.beam_size}")
     if not (math.isfinite(args.length_penalty) and args.length_penalty >= 0):
-        raise ValueError(f"--length-penalty must be a finite number >= 0 (0 = plain log-probability); "
-                         f"got {args.length_penalty}")  # fmt: skip
+        raise ValueError(
+            f"--length-penalty must be a finite number >= 0 (0 = plain log-probability); got {args.length_penalty}"
+        )
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1 (leave it out for the model's max_seq_len); "
-                         f"got {args.max_new_tokens}")  # fmt: skip
+        raise ValueError(
+            f"--max-new-tokens must be >= 1 (leave it out for the model's max_seq_len); got {args.max_new_tokens}"
+        )
 
 
 def _run_translate(args: argparse.Namespace) -> int:
@@ -94,8 +103,15 @@ def _run_translate(args: argparse.Namespace) -> int:
         for chunk in _chunks(lines, size):
             errors = {i: item for i, item in enumerate(chunk) if isinstance(item, ValueError)}  # undecodable
             texts = ["" if isinstance(item, ValueError) else item for item in chunk]
-            outputs = translate_lines(ckpt.model, ckpt.tokenizer, texts, beam_size=args.beam_size, length_penalty=args.length_penalty,
-                                      max_new_tokens=args.max_new_tokens, on_error=errors.__setitem__)  # fmt: skip
+            outputs = translate_lines(
+                ckpt.model,
+                ckpt.tokenizer,
+                texts,
+                beam_size=args.beam_size,
+                length_penalty=args.length_penalty,
+                max_new_tokens=args.max_new_tokens,
+                on_error=errors.__setitem__,
+            )
             for i in sorted(errors):
                 print(f"tformer translate: line {done + i + 1}: {errors[i]}", file=sys.stderr)
             for line in outputs:

@@ -5,14 +5,13 @@ self-attention: Q, K, V all from the (partial) decoder sequence, causally masked
 cross-attention: Q from the decoder, K and V from the encoder output."
 
 Measured on a :class:`tformer.EncoderDecoder` trained on the built-in ``reverse`` task by :func:`tformer.train` (the
-settings of ``tformer demo``, :func:`tformer.training.demos.reverse_config`, at smaller sizes): forward pre-hooks record what each attention layer receives
-(checking that the cross-attention's keys/values come from the encoder output), and the weights are recomputed
-from the layer's own projections with :func:`tformer.functional.attention_weights`. On held-out sources of
-length S, decoder position i (reading ``BOS y_1 .. y_i``) predicts ``y_{i+1} = x_{S-1-i}``, so a cross-attention
-that has learned the task puts its mass on the anti-diagonal ``(i, S-1-i)``: the fraction of mass there is the
-figure, averaged over the held-out sources of length S (never trained on). The decoder self-attention's mass on
-future positions must be exactly 0.
-"""
+settings of ``tformer demo``, :func:`tformer.training.demos.reverse_config`, at smaller sizes): forward pre-hooks record
+what each attention layer receives (checking that the cross-attention's keys/values come from the encoder output), and
+the weights are recomputed from the layer's own projections with :func:`tformer.functional.attention_weights`. On
+held-out sources of length S, decoder position i (reading ``BOS y_1 .. y_i``) predicts ``y_{i+1} = x_{S-1-i}``, so a
+cross-attention that has learned the task puts its mass on the anti-diagonal ``(i, S-1-i)``: the fraction of mass there
+is the figure, averaged over the held-out sources of length S (never trained on). The decoder self-attention's mass on
+future positions must be exactly 0."""
 
 from __future__ import annotations
 
@@ -189,8 +188,17 @@ def run(
     """Train on ``reverse`` (source lengths ``1..max_len``, ``held_out`` sources held out); measure the maps on the
     held-out sources of length max_len."""
     model = dict(d_model=d_model, num_heads=num_heads, num_layers=num_layers, d_ff=d_ff)
-    cfg = reverse_config("reverse", steps=steps, batch_size=batch_size, lr=lr, seed=seed, held_out=held_out,
-                         max_len=max_len, model=model, progress=False)  # fmt: skip
+    cfg = reverse_config(
+        "reverse",
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        held_out=held_out,
+        max_len=max_len,
+        model=model,
+        progress=False,
+    )
     with single_thread():
         result = train(cfg)
     fixed = SequenceTask("reverse", min_len=max_len, max_len=max_len)
@@ -204,11 +212,16 @@ def run(
     future = torch.triu(torch.ones(max_len + 1, max_len + 1, dtype=torch.bool), 1)
     context_error = max(float((c - maps["memory"]).abs().max()) for c in maps["cross_context"])
     return AttentionMapsResult(
-        steps=steps, seconds=result.seconds, final_loss=result.final_loss, accuracy=result.val_accuracy,
-        seq_len=max_len, encoder_self=torch.stack([m.mean(0) for m in maps["encoder_self"]]),
-        decoder_self=decoder_self, cross=cross,
+        steps=steps,
+        seconds=result.seconds,
+        final_loss=result.final_loss,
+        accuracy=result.val_accuracy,
+        seq_len=max_len,
+        encoder_self=torch.stack([m.mean(0) for m in maps["encoder_self"]]),
+        decoder_self=decoder_self,
+        cross=cross,
         anti_diagonal=anti_diagonal_mass(cross).tolist(),
         anti_diagonal_head_mean=anti_diagonal_mass(cross.mean(1)).tolist(),
         decoder_future_mass=float(torch.stack([m[..., future] for m in maps["decoder_self"]]).abs().max()),
         cross_context_error=context_error,
-    )  # fmt: skip
+    )

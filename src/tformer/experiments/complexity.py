@@ -125,8 +125,9 @@ class ComplexityResult:
             for b, values in data.items():
                 ax.loglog(self.sizes, values, "o-", label=f"{b}: n^{exps[b]:.2f}")
             if label.startswith("peak"):
-                ax.loglog(self.sizes, [self.score_matrix_mib(n) for n in self.sizes], "k:", lw=1,
-                          label="one n x n matrix")  # fmt: skip
+                ax.loglog(
+                    self.sizes, [self.score_matrix_mib(n) for n in self.sizes], "k:", lw=1, label="one n x n matrix"
+                )
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length n")
             ax.set_ylabel(label)
@@ -191,9 +192,15 @@ def run(
         if b != "reference"
     }
     return ComplexityResult(
-        sizes=list(sizes), batch=batch, heads=heads, head_dim=head_dim, threads=torch.get_num_threads(),
-        seconds=seconds, peak_mib=peak_mib,
+        sizes=list(sizes),
+        batch=batch,
+        heads=heads,
+        head_dim=head_dim,
+        threads=torch.get_num_threads(),
+        seconds=seconds,
+        peak_mib=peak_mib,
         time_exponent={b: fit_power_law(sizes, v) for b, v in seconds.items()},
         memory_exponent={b: fit_power_law(sizes, v) for b, v in peak_mib.items()},
-        max_abs_error=errors, notes=notes,
-    )  # fmt: skip
+        max_abs_error=errors,
+        notes=notes,
+    )

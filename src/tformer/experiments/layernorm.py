@@ -54,9 +54,14 @@ PLACEMENTS = {"Pre-LN": True, "Post-LN": False}
 
 def _config(num_layers: int, norm_first: bool, d_model: int, vocab_size: int, max_seq_len: int) -> TransformerConfig:
     return TransformerConfig(
-        vocab_size=vocab_size, d_model=d_model, num_heads=4, d_ff=4 * d_model, num_layers=num_layers,
-        norm_first=norm_first, max_seq_len=max_seq_len,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        d_model=d_model,
+        num_heads=4,
+        d_ff=4 * d_model,
+        num_layers=num_layers,
+        norm_first=norm_first,
+        max_seq_len=max_seq_len,
+    )
 
 
 def _xavier_(model: nn.Module) -> None:
@@ -79,19 +84,51 @@ def init_gradient_norms(
     return [float(block.ff.down.weight.grad.norm()) for block in model.decoder.stack.blocks]
 
 
-def train_curve(norm_first: bool, num_layers: int, warmup_steps: int, steps: int, lr: float = 1e-3,
-                d_model: int = 64, batch: int = 16, seq_len: int = 64, seed: int = 0) -> list[float]:  # fmt: skip
+def train_curve(
+    norm_first: bool,
+    num_layers: int,
+    warmup_steps: int,
+    steps: int,
+    lr: float = 1e-3,
+    d_model: int = 64,
+    batch: int = 16,
+    seq_len: int = 64,
+    seed: int = 0,
+) -> list[float]:
     """Training loss at every step of a byte-level LM on the source of ``argparse.py``, trained by
     :func:`tformer.train` from Xavier matrices: Adam (AdamW without decay), no clipping, lr rising linearly over
     ``warmup_steps`` (0 = none) and then constant (``min_lr = lr``), so the only difference between runs is the
     warmup. A run that diverges ends its curve with NaN."""
-    model = dict(d_model=d_model, num_heads=4, d_ff=4 * d_model, num_layers=num_layers, norm_first=norm_first,
-                 position="sinusoidal", activation="relu")  # fmt: skip
+    model = dict(
+        d_model=d_model,
+        num_heads=4,
+        d_ff=4 * d_model,
+        num_layers=num_layers,
+        norm_first=norm_first,
+        position="sinusoidal",
+        activation="relu",
+    )
     with tempfile.TemporaryDirectory() as cache:  # the token cache of this small file, not the user's
-        cfg = TrainConfig(out=None, data=argparse.__file__, tokenizer="byte", block_size=seq_len, batch_size=batch,
-                          steps=steps, lr=lr, min_lr=lr, warmup=warmup_steps, weight_decay=0.0, betas=(0.9, 0.98),
-                          grad_clip=0.0, eval_every=0, eval_batches=1, seed=seed, model=model, cache_dir=cache,
-                          progress=False)  # fmt: skip
+        cfg = TrainConfig(
+            out=None,
+            data=argparse.__file__,
+            tokenizer="byte",
+            block_size=seq_len,
+            batch_size=batch,
+            steps=steps,
+            lr=lr,
+            min_lr=lr,
+            warmup=warmup_steps,
+            weight_decay=0.0,
+            betas=(0.9, 0.98),
+            grad_clip=0.0,
+            eval_every=0,
+            eval_batches=1,
+            seed=seed,
+            model=model,
+            cache_dir=cache,
+            progress=False,
+        )
         try:
             losses = train(cfg, init=_xavier_).losses
         except TrainingError as err:  # diverged: the curve ends here
@@ -169,7 +206,7 @@ class LayerNormResult:
                 ),
                 grad_rows,
                 "Gradient norm of each block's FFN W_2 at Xavier initialization",
-            ),  # fmt: skip
+            ),
             Table(
                 (
                     "layers",
@@ -181,7 +218,7 @@ class LayerNormResult:
                 ),
                 tuple(train_rows),
                 f"Character LM on argparse.py, {self.steps} steps, Adam lr {self.lr:g}",
-            ),  # fmt: skip
+            ),
         ]
 
     def findings(self) -> list[str]:
@@ -230,8 +267,14 @@ class LayerNormResult:
         colors = dict(zip(self.depths, ("C0", "C1", "C2", "C3", "C4"), strict=False))
         for d in self.depths:
             for placement, style in (("Pre-LN", "o-"), ("Post-LN", "s--")):
-                ax.semilogy(range(1, d + 1), self.grad_norms[placement][d], style, ms=3, color=colors.get(d),
-                            label=f"{placement}, {d} layers")  # fmt: skip
+                ax.semilogy(
+                    range(1, d + 1),
+                    self.grad_norms[placement][d],
+                    style,
+                    ms=3,
+                    color=colors.get(d),
+                    label=f"{placement}, {d} layers",
+                )
         ax.set_xlabel("block (1 = bottom)")
         ax.set_ylabel("||dL/dW_2|| at init")
         ax.set_title("Q3(b): gradients at initialization", fontsize=9)
@@ -242,8 +285,12 @@ class LayerNormResult:
                 if d != depth:
                     continue
                 smooth = _moving_average(curve, 10)
-                ax.plot(smooth, ("-" if placement == "Pre-LN" else "--"), color="C2" if warm else "C3",
-                        label=f"{placement}, {'warmup' if warm else 'no warmup'}")  # fmt: skip
+                ax.plot(
+                    smooth,
+                    ("-" if placement == "Pre-LN" else "--"),
+                    color="C2" if warm else "C3",
+                    label=f"{placement}, {'warmup' if warm else 'no warmup'}",
+                )
             ax.set_xlabel("step")
             ax.set_ylabel("training loss (moving average of 10)")
             ax.set_title(f"training, {depth} layers", fontsize=9)

@@ -89,8 +89,9 @@ class MaskingResult:
         fig, axes = new_figure(ncols=3, size=(3.9, 3.4))
         for ax, w, name in ((axes[0, 0], self.weights_before, BEFORE), (axes[0, 1], self.weights_after, AFTER)):
             im = ax.imshow(w.numpy(), cmap="viridis", vmin=0, vmax=float(self.weights_before.max()))
-            ax.set_title(f"{name}\nrow sums {fmt(min(self.row_sums[name]))} .. {fmt(max(self.row_sums[name]))}",
-                         fontsize=8)  # fmt: skip
+            ax.set_title(
+                f"{name}\nrow sums {fmt(min(self.row_sums[name]))} .. {fmt(max(self.row_sums[name]))}", fontsize=8
+            )
             ax.set_xlabel("key position")
             ax.set_ylabel("query position")
             fig.colorbar(im, ax=ax, fraction=0.046)
@@ -150,10 +151,8 @@ def run(seq_len: int = 8, d_model: int = 16, seed: int = 0) -> MaskingResult:
         name: (lambda t, name=name: causal_self_attention(t, wq, wk, wv, name)[0]) for name in (BEFORE, AFTER, RENORM)
     }
     for backend in ("reference", "sdpa"):
-        variants[f"library: scaled_dot_product_attention({backend}, is_causal)"] = (
-            lambda t, backend=backend: scaled_dot_product_attention(
-                t @ wq, t @ wk, t @ wv, is_causal=True, backend=backend
-            )  # fmt: skip
+        variants[f"library: scaled_dot_product_attention({backend}, is_causal)"] = lambda t, backend=backend: (
+            scaled_dot_product_attention(t @ wq, t @ wk, t @ wv, is_causal=True, backend=backend)
         )
     torch.manual_seed(seed)
     mha = MultiHeadAttention(d_model, 4).double().eval()
@@ -161,9 +160,11 @@ def run(seq_len: int = 8, d_model: int = 16, seed: int = 0) -> MaskingResult:
     per_position = {name: leakage(f, x, gen) for name, f in variants.items()}
     weights = {name: causal_self_attention(x, wq, wk, wv, name)[1] for name in (BEFORE, AFTER, RENORM)}
     return MaskingResult(
-        seq_len=seq_len, d_model=d_model,
+        seq_len=seq_len,
+        d_model=d_model,
         leakage={name: max(v) for name, v in per_position.items()},
         leakage_per_position=per_position,
         row_sums={name: w.sum(-1).tolist() for name, w in weights.items()},
-        weights_before=weights[BEFORE], weights_after=weights[AFTER],
-    )  # fmt: skip
+        weights_before=weights[BEFORE],
+        weights_after=weights[AFTER],
+    )

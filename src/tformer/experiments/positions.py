@@ -169,10 +169,18 @@ def run(
     pe = sinusoidal_positional_encoding(rope_positions, rope_dim, BASE, dtype=torch.float64)  # (M, D)
     absolute = (q + pe) @ (k + pe).T  # (M, D) @ (D, M) -> (M, M)
     return PositionsResult(
-        num_positions=num_positions, d_model=d_model, offsets=list(offsets),
+        num_positions=num_positions,
+        d_model=d_model,
+        offsets=list(offsets),
         rotation_error_f64=[rotation_error(pe64, o) for o in offsets],
         rotation_error_f32=[rotation_error(pe32, o) for o in offsets],
-        rope_dim=rope_dim, rope_positions=rope_positions, rope_spread_f64=spread64, rope_spread_f32=spread32,
-        absolute_spread=diagonal_spread(absolute), score_scale=float(scores.abs().max()),
-        pe_table=pe64, rope_scores=scores, absolute_scores=absolute,
-    )  # fmt: skip
+        rope_dim=rope_dim,
+        rope_positions=rope_positions,
+        rope_spread_f64=spread64,
+        rope_spread_f32=spread32,
+        absolute_spread=diagonal_spread(absolute),
+        score_scale=float(scores.abs().max()),
+        pe_table=pe64,
+        rope_scores=scores,
+        absolute_scores=absolute,
+    )

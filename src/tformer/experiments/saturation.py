@@ -86,10 +86,15 @@ class SaturationResult:
         layer = tuple(
             (str(d), fmt(s), fmt(hs), fmt(hu), fmt(js), fmt(ju))
             for d, s, hs, hu, js, ju in zip(
-                self.dims, self.logit_std_unscaled, self.entropy_scaled, self.entropy_unscaled,
-                self.jacobian_scaled, self.jacobian_unscaled, strict=True,
+                self.dims,
+                self.logit_std_unscaled,
+                self.entropy_scaled,
+                self.entropy_unscaled,
+                self.jacobian_scaled,
+                self.jacobian_unscaled,
+                strict=True,
             )
-        )  # fmt: skip
+        )
         return [
             Table(
                 ("logit std (target)", "logit std (measured)", "mean max a_i", "mean ‖J‖_F", "mean ‖dL/dZ‖"),
@@ -108,7 +113,7 @@ class SaturationResult:
                 layer,
                 f"Untrained MultiHeadAttention ({self.num_heads} heads, T = {self.seq_len}, "
                 f"max entropy log T = {self.max_entropy:.3f} nats)",
-            ),  # fmt: skip
+            ),
         ]
 
     def findings(self) -> list[str]:

@@ -52,11 +52,15 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     """Raise ``ValueError`` for settings that define no distribution. The messages name the argument and its
     ``tformer sample`` flag, as both reach users."""
     if not greedy and not temperature > 0:
-        raise ValueError(f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
-                         f"(greedy=True, --greedy); got {temperature}")  # fmt: skip
+        raise ValueError(
+            f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
+            f"(greedy=True, --greedy); got {temperature}"
+        )
     if not greedy and not math.isfinite(temperature):  # T = inf would ignore the model: every token equally likely
-        raise ValueError(f"temperature (--temperature) must be a finite number > 0 (T = inf samples uniformly, "
-                         f"ignoring the model); got {temperature}")  # fmt: skip
+        raise ValueError(
+            f"temperature (--temperature) must be a finite number > 0 (T = inf samples uniformly, "
+            f"ignoring the model); got {temperature}"
+        )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k (--top-k) must be an integer >= 1 (or None / left out: no limit); got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -122,8 +126,10 @@ def filter_logits(
     return logits
 
 
-NAN_LOGITS = ("the model produced NaN (or infinite) logits, so there is no distribution to sample from; the "
-              "checkpoint has probably diverged (look at its training loss) or its weights are corrupted")  # fmt: skip
+NAN_LOGITS = (
+    "the model produced NaN (or infinite) logits, so there is no distribution to sample from; the "
+    "checkpoint has probably diverged (look at its training loss) or its weights are corrupted"
+)
 
 
 def sample(logits: Tensor, generators: Sequence[torch.Generator] | None = None) -> Tensor:
@@ -198,8 +204,9 @@ class IncrementalLM:
     (for every row: rows of different prompt lengths restart at different steps, each refilling all of them).
     """
 
-    def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int,
-                 use_cache: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int, use_cache: bool = True
+    ) -> None:
         B, P = ids.shape
         self.model, self.use_cache, self.length = model, use_cache, P
         self.ids = ids.new_empty(B, P + max_new_tokens)  # (B, P + N_max): prompt, then generated tokens
@@ -256,8 +263,9 @@ class IncrementalLM:
 def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int) -> list[list[int]]:
     if isinstance(prompt_ids, Tensor):
         if prompt_ids.dim() != 2 or prompt_ids.is_floating_point() or prompt_ids.dtype == torch.bool:
-            raise ValueError(f"prompt_ids must be a (batch, time) integer tensor; got {prompt_ids.dtype} "
-                             f"{tuple(prompt_ids.shape)}")  # fmt: skip
+            raise ValueError(
+                f"prompt_ids must be a (batch, time) integer tensor; got {prompt_ids.dtype} {tuple(prompt_ids.shape)}"
+            )
         prompt_ids = prompt_ids.tolist()
     prompts = [[int(t) for t in p] for p in prompt_ids]
     if not prompts:
@@ -386,8 +394,14 @@ def _decode_block(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int) ->
     return lm.ids[:, lm.length - max_new_tokens : lm.length]
 
 
-def _decode_rows(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int, stopper: Stopper,
-                 on_token: Callable[[int, int], None] | None, outputs: list[list[int]]) -> None:  # fmt: skip
+def _decode_rows(
+    lm: IncrementalLM,
+    rule: SamplingRule,
+    max_new_tokens: int,
+    stopper: Stopper,
+    on_token: Callable[[int, int], None] | None,
+    outputs: list[list[int]],
+) -> None:
     """Steps until every row has ended or ``max_new_tokens``; each row's kept tokens go to ``outputs[row]``,
     and to ``on_token`` once no stop can claim them."""
     B = lm.ids.shape[0]

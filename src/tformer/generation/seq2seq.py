@@ -119,8 +119,10 @@ def beam_search(
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be an integer >= 1; got {beam_size!r}")
     if not (math.isfinite(length_penalty) and length_penalty >= 0):  # NaN would rank the hypotheses at random
-        raise ValueError(f"length_penalty must be a finite number >= 0 (GNMT alpha; 0 = plain log-probability); "
-                         f"got {length_penalty!r}")  # fmt: skip
+        raise ValueError(
+            f"length_penalty must be a finite number >= 0 (GNMT alpha; 0 = plain log-probability); "
+            f"got {length_penalty!r}"
+        )
     B, K, V = src.shape[0], beam_size, model.cfg.vocab_size
     device = src.device
     memory = model.encode(src, src_mask).repeat_interleave(K, dim=0)  # (B*K, S, C): a source's beams adjacent

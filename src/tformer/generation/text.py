@@ -54,8 +54,15 @@ class TextStream:
         self._write(final=True)
 
 
-def sample_to(out: TextIO, model: DecoderLM, tokenizer: TextTokenizer, prompt: str, *,
-              max_new_tokens: int | None = None, **sampling) -> list[int]:  # fmt: skip
+def sample_to(
+    out: TextIO,
+    model: DecoderLM,
+    tokenizer: TextTokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int | None = None,
+    **sampling,
+) -> list[int]:
     """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
     Bad settings raise ``ValueError`` before anything is written. ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``.
     A tokenizer with an ``eos_id`` ends the text there; ``sampling``: the other arguments of ``generate``."""
@@ -70,18 +77,31 @@ def sample_to(out: TextIO, model: DecoderLM, tokenizer: TextTokenizer, prompt: s
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
     stream = TextStream(tokenizer, out, prefix=prompt)
-    new = generate(model, [ids], max_new_tokens=max_new_tokens, tokenizer=tokenizer,
-                   eos_id=getattr(tokenizer, "eos_id", None), on_token=lambda _row, tok: stream.push(tok),
-                   **sampling)[0]  # fmt: skip
+    new = generate(
+        model,
+        [ids],
+        max_new_tokens=max_new_tokens,
+        tokenizer=tokenizer,
+        eos_id=getattr(tokenizer, "eos_id", None),
+        on_token=lambda _row, tok: stream.push(tok),
+        **sampling,
+    )[0]
     stream.close()
     out.write("\n")
     out.flush()
     return new
 
 
-def translate_lines(model: EncoderDecoder, tokenizer: Seq2SeqTokenizer, lines: list[str], *, beam_size: int = 4,
-                    length_penalty: float = 0.6, max_new_tokens: int | None = None,
-                    on_error: Callable[[int, ValueError], None] | None = None) -> list[str]:  # fmt: skip
+def translate_lines(
+    model: EncoderDecoder,
+    tokenizer: Seq2SeqTokenizer,
+    lines: list[str],
+    *,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    max_new_tokens: int | None = None,
+    on_error: Callable[[int, ValueError], None] | None = None,
+) -> list[str]:
     """Beam-search outputs of ``lines`` (one string each; an empty line gives ``""``); ``max_new_tokens=None``
     allows the model's ``max_seq_len`` tokens.
 
@@ -95,8 +115,10 @@ def translate_lines(model: EncoderDecoder, tokenizer: Seq2SeqTokenizer, lines: l
         try:
             ids = tokenizer.encode(line)
             if cfg.position == "learned" and len(ids) > cfg.max_seq_len:
-                raise ValueError(f"the line is {len(ids)} tokens long, more than the model's max_seq_len="
-                                 f"{cfg.max_seq_len} learned positions")  # fmt: skip
+                raise ValueError(
+                    f"the line is {len(ids)} tokens long, more than the model's max_seq_len="
+                    f"{cfg.max_seq_len} learned positions"
+                )
         except ValueError as err:
             if on_error is None:
                 raise
@@ -109,9 +131,16 @@ def translate_lines(model: EncoderDecoder, tokenizer: Seq2SeqTokenizer, lines: l
         return outputs
     src, src_mask = pad_right([encoded[i] for i in present], tokenizer.pad_id or 0)  # right-padded: True = real token
     limit = cfg.max_seq_len if max_new_tokens is None else max_new_tokens
-    decoded = beam_search(model, src.to(device), src_mask.to(device), beam_size=beam_size,
-                          length_penalty=length_penalty, max_new_tokens=limit, bos_id=tokenizer.bos_id,
-                          eos_id=tokenizer.eos_id)  # fmt: skip
+    decoded = beam_search(
+        model,
+        src.to(device),
+        src_mask.to(device),
+        beam_size=beam_size,
+        length_penalty=length_penalty,
+        max_new_tokens=limit,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+    )
     for row, i in enumerate(present):
         outputs[i] = tokenizer.decode(decoded[row])
     return outputs

@@ -18,5 +18,13 @@ from tformer.training.rundir import run_lock
 from tformer.training.runtime import TrainingError
 from tformer.training.trainer import train
 
-__all__ = ["Checkpoint", "CheckpointError", "TrainConfig", "TrainResult", "TrainingError", "load_checkpoint",
-           "run_lock", "train"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainingError",
+    "load_checkpoint",
+    "run_lock",
+    "train",
+]

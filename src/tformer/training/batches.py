@@ -69,8 +69,10 @@ class LMBatches:
         """Fixed windows spread evenly over the split: the same validation set at every evaluation."""
         count = num_batches * self.batch_size
         offsets = np.linspace(0, len(self.tokens) - self.block_size - 1, count).astype(np.int64)
-        return [LMBatch(self.tokens, offsets[i : i + self.batch_size], self.block_size)
-                for i in range(0, count, self.batch_size)]  # fmt: skip
+        return [
+            LMBatch(self.tokens, offsets[i : i + self.batch_size], self.block_size)
+            for i in range(0, count, self.batch_size)
+        ]
 
 
 @dataclass

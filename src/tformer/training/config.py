@@ -35,10 +35,28 @@ if TYPE_CHECKING:
 Kind = Literal["lm", "seq2seq"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 
-LM_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0, position="learned",
-                activation="gelu", norm_first=True, tie_embeddings=True)  # fmt: skip
-SEQ2SEQ_MODEL = dict(d_model=128, num_heads=4, num_layers=2, d_ff=512, dropout=0.0, position="sinusoidal",
-                     activation="relu", norm_first=True, tie_embeddings=True)  # fmt: skip
+LM_MODEL = dict(
+    d_model=128,
+    num_heads=4,
+    num_layers=4,
+    d_ff=512,
+    dropout=0.0,
+    position="learned",
+    activation="gelu",
+    norm_first=True,
+    tie_embeddings=True,
+)
+SEQ2SEQ_MODEL = dict(
+    d_model=128,
+    num_heads=4,
+    num_layers=2,
+    d_ff=512,
+    dropout=0.0,
+    position="sinusoidal",
+    activation="relu",
+    norm_first=True,
+    tie_embeddings=True,
+)
 
 
 @dataclass(frozen=True)
@@ -89,65 +107,129 @@ class TrainConfig:
     evenly into ``world_size * grad_accum`` micro-batches.
     """
 
-    out: str | None = setting(None, "run directory: checkpoints/, metrics.jsonl, loss.png", group="run",
-                              expected="a path", required=True)  # fmt: skip
-    data: str | None = setting(None, "LM corpus: a text file or a folder of text files (default: the Python stdlib)",
-                               group="source", expected="a path")  # fmt: skip
-    task: str | None = setting(None, f"seq2seq built-in task: {', '.join(TASKS)}", group="source",
-                               expected="a task name")  # fmt: skip
+    out: str | None = setting(
+        None, "run directory: checkpoints/, metrics.jsonl, loss.png", group="run", expected="a path", required=True
+    )
+    data: str | None = setting(
+        None,
+        "LM corpus: a text file or a folder of text files (default: the Python stdlib)",
+        group="source",
+        expected="a path",
+    )
+    task: str | None = setting(
+        None, f"seq2seq built-in task: {', '.join(TASKS)}", group="source", expected="a task name"
+    )
     pairs: str | None = setting(None, "seq2seq: a file of source<TAB>target lines", group="source", expected="a path")
     resume: bool = setting(False, "continue the run in --out from its latest checkpoint", group="run")
     steps: int = setting(1000, "total optimizer steps", group="run", rule=positive)
-    stop_after: int | None = setting(None, "end this run after this step (the schedule still spans --steps)",
-                                     group="run")  # fmt: skip
-    tokenizer: Literal["byte", "char", "bpe"] = setting("byte", "byte, char or bpe", group="tokenizer",
-                                                        sources=("data", "pairs"), why=_TASK_TOKENIZER)  # fmt: skip
-    vocab_size: int = setting(1024, "BPE vocabulary size", group="tokenizer", rule=positive, sources=("data", "pairs"),
-                              tokenizers=("bpe",), why=_TASK_TOKENIZER)  # fmt: skip
-    unknown: Literal["unk", "skip", "error"] = setting("unk", "char: what becomes of characters the corpus lacks",
-                                                       group="tokenizer", sources=("data", "pairs"),
-                                                       tokenizers=("char",), why=_TASK_TOKENIZER)  # fmt: skip
-    model: dict[str, Any] = setting({}, "TransformerConfig fields overriding the kind's default model", group="model",
-                                    expected="a dict of TransformerConfig fields", flag="")  # fmt: skip
-    block_size: int = setting(128, "LM context length", group="model", rule=positive, sources=("data",),
-                              why=_WHOLE_EXAMPLES)  # fmt: skip
+    stop_after: int | None = setting(
+        None, "end this run after this step (the schedule still spans --steps)", group="run"
+    )
+    tokenizer: Literal["byte", "char", "bpe"] = setting(
+        "byte", "byte, char or bpe", group="tokenizer", sources=("data", "pairs"), why=_TASK_TOKENIZER
+    )
+    vocab_size: int = setting(
+        1024,
+        "BPE vocabulary size",
+        group="tokenizer",
+        rule=positive,
+        sources=("data", "pairs"),
+        tokenizers=("bpe",),
+        why=_TASK_TOKENIZER,
+    )
+    unknown: Literal["unk", "skip", "error"] = setting(
+        "unk",
+        "char: what becomes of characters the corpus lacks",
+        group="tokenizer",
+        sources=("data", "pairs"),
+        tokenizers=("char",),
+        why=_TASK_TOKENIZER,
+    )
+    model: dict[str, Any] = setting(
+        {},
+        "TransformerConfig fields overriding the kind's default model",
+        group="model",
+        expected="a dict of TransformerConfig fields",
+        flag="",
+    )
+    block_size: int = setting(
+        128, "LM context length", group="model", rule=positive, sources=("data",), why=_WHOLE_EXAMPLES
+    )
     batch_size: int = setting(32, "global sequences per step", group="optimization", rule=positive)
     grad_accum: int = setting(1, "micro-batches per step", group="optimization", rule=positive)
-    lr: float = setting(1e-3, "peak learning rate", group="optimization",
-                        rule=finite_in(0, 1, low_open=True, note="AdamW moves each weight by about lr per step"))
-    min_lr: float = setting(1e-4, "final learning rate of the cosine", group="optimization",
-                            rule=finite_at_least(0, "the cosine's floor"))  # fmt: skip
+    lr: float = setting(
+        1e-3,
+        "peak learning rate",
+        group="optimization",
+        rule=finite_in(0, 1, low_open=True, note="AdamW moves each weight by about lr per step"),
+    )
+    min_lr: float = setting(
+        1e-4, "final learning rate of the cosine", group="optimization", rule=finite_at_least(0, "the cosine's floor")
+    )
     warmup: int = setting(100, "linear warm-up steps", group="optimization", rule=non_negative("0 turns it off"))
-    weight_decay: float = setting(0.1, "AdamW decay of the weight matrices", group="optimization",
-                                  rule=finite_at_least(0, "0 = no decay"))  # fmt: skip
-    betas: tuple[float, float] = setting((0.9, 0.99), "AdamW's moment decays", group="optimization", rule=_betas_rule,
-                                         expected="two numbers")  # fmt: skip
+    weight_decay: float = setting(
+        0.1, "AdamW decay of the weight matrices", group="optimization", rule=finite_at_least(0, "0 = no decay")
+    )
+    betas: tuple[float, float] = setting(
+        (0.9, 0.99), "AdamW's moment decays", group="optimization", rule=_betas_rule, expected="two numbers"
+    )
     grad_clip: float = setting(1.0, "max gradient norm", group="optimization", rule=finite_at_least(0, "0 = off"))
-    label_smoothing: float = setting(0.1, "seq2seq", group="optimization", rule=finite_in(0, 1, high_open=True),
-                                     sources=("task", "pairs"),
-                                     why="only seq2seq (--task/--pairs) runs smooth their labels")  # fmt: skip
+    label_smoothing: float = setting(
+        0.1,
+        "seq2seq",
+        group="optimization",
+        rule=finite_in(0, 1, high_open=True),
+        sources=("task", "pairs"),
+        why="only seq2seq (--task/--pairs) runs smooth their labels",
+    )
     seed: int = setting(0, "seed of the weights, the batches and dropout", group="optimization", rule=_seed_rule)
     dtype: Dtype = setting("auto", "autocast: auto = bfloat16 on CUDA, float32 on CPU", group="optimization")
     compile: bool = setting(False, "torch.compile the model", group="optimization")
     device: str = setting("auto", "auto, cpu, cuda, cuda:1 ...", group="optimization")
-    val_fraction: float = setting(0.1, "held-out share of the data", group="data",
-                                  rule=finite_in(0, 1, low_open=True, high_open=True), sources=("data", "pairs"),
-                                  why="tasks hold out generated examples, not a share of a corpus")  # fmt: skip
-    task_min_len: int = setting(1, "task: shortest source (add: digits)", group="data", rule=positive,
-                                sources=("task",), why=_TASK_ONLY)  # fmt: skip
-    task_max_len: int = setting(16, "task: longest source (add: digits)", group="data", rule=positive,
-                                sources=("task",), why="it sets the length of generated --task examples")  # fmt: skip
-    task_held_out: int = setting(500, "task: held-out sources (never trained on, where a length has enough)",
-                                 group="data", rule=positive, sources=("task",), why=_TASK_ONLY)  # fmt: skip
-    cache_dir: str | None = setting(None, "token cache (default $TFORMER_CACHE or ~/.cache/tformer)", group="data",
-                                    expected="a path", sources=("data", "pairs"),
-                                    why="tasks generate their examples; nothing is tokenized into a cache")  # fmt: skip
-    eval_every: int = setting(250, "steps between validation losses", group="bookkeeping",
-                              rule=non_negative("0 turns it off"))  # fmt: skip
-    eval_batches: int = setting(20, "LM validation batches", group="bookkeeping", rule=positive, sources=("data",),
-                                why=_HELD_OUT)  # fmt: skip
-    save_every: int = setting(500, "steps between checkpoints", group="bookkeeping",
-                              rule=non_negative("0 turns it off"))  # fmt: skip
+    val_fraction: float = setting(
+        0.1,
+        "held-out share of the data",
+        group="data",
+        rule=finite_in(0, 1, low_open=True, high_open=True),
+        sources=("data", "pairs"),
+        why="tasks hold out generated examples, not a share of a corpus",
+    )
+    task_min_len: int = setting(
+        1, "task: shortest source (add: digits)", group="data", rule=positive, sources=("task",), why=_TASK_ONLY
+    )
+    task_max_len: int = setting(
+        16,
+        "task: longest source (add: digits)",
+        group="data",
+        rule=positive,
+        sources=("task",),
+        why="it sets the length of generated --task examples",
+    )
+    task_held_out: int = setting(
+        500,
+        "task: held-out sources (never trained on, where a length has enough)",
+        group="data",
+        rule=positive,
+        sources=("task",),
+        why=_TASK_ONLY,
+    )
+    cache_dir: str | None = setting(
+        None,
+        "token cache (default $TFORMER_CACHE or ~/.cache/tformer)",
+        group="data",
+        expected="a path",
+        sources=("data", "pairs"),
+        why="tasks generate their examples; nothing is tokenized into a cache",
+    )
+    eval_every: int = setting(
+        250, "steps between validation losses", group="bookkeeping", rule=non_negative("0 turns it off")
+    )
+    eval_batches: int = setting(
+        20, "LM validation batches", group="bookkeeping", rule=positive, sources=("data",), why=_HELD_OUT
+    )
+    save_every: int = setting(
+        500, "steps between checkpoints", group="bookkeeping", rule=non_negative("0 turns it off")
+    )
     keep: int = setting(2, "newest checkpoints kept, older ones deleted", group="bookkeeping", rule=positive)
     log_every: int = setting(10, "steps between progress/metrics updates", group="bookkeeping", rule=positive)
     progress: bool = setting(True, "a progress bar", group="bookkeeping")
@@ -195,17 +277,29 @@ class TrainConfig:
         if len(sources) > 1:
             raise ConfigError(f"give one of data, task, pairs (--data/--task/--pairs); got {sources}", *sources)
         if self.task is not None and self.task not in TASKS:
-            raise ConfigError(f"unknown task {self.task!r}{where(self._field('task'))}; choose one of {sorted(TASKS)}",
-                              "task")  # fmt: skip
+            raise ConfigError(
+                f"unknown task {self.task!r}{where(self._field('task'))}; choose one of {sorted(TASKS)}", "task"
+            )
         if self.batch_size % self.grad_accum:
-            raise ConfigError(f"batch_size={self.batch_size} must divide evenly into grad_accum={self.grad_accum} "
-                              "micro-batches (--batch-size, --grad-accum)", "batch_size", "grad_accum")  # fmt: skip
+            raise ConfigError(
+                f"batch_size={self.batch_size} must divide evenly into grad_accum={self.grad_accum} "
+                "micro-batches (--batch-size, --grad-accum)",
+                "batch_size",
+                "grad_accum",
+            )
         if self.min_lr > self.lr:
-            raise ConfigError(f"min_lr must be in [0, lr={self.lr:g}]{where(self._field('min_lr'))}; got "
-                              f"{self.min_lr:g}", "min_lr", "lr")  # fmt: skip
+            raise ConfigError(
+                f"min_lr must be in [0, lr={self.lr:g}]{where(self._field('min_lr'))}; got {self.min_lr:g}",
+                "min_lr",
+                "lr",
+            )
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
-            raise ConfigError(f"stop_after must be in [1, steps={self.steps}]{where(self._field('stop_after'))}; got "
-                              f"{self.stop_after}", "stop_after", "steps")  # fmt: skip
+            raise ConfigError(
+                f"stop_after must be in [1, steps={self.steps}]{where(self._field('stop_after'))}; got "
+                f"{self.stop_after}",
+                "stop_after",
+                "steps",
+            )
         if self.task is not None:  # its lengths (the same check as when the task is built for training)
             SequenceTask(self.task, min_len=self.task_min_len, max_len=self.task_max_len)
         try:
@@ -213,8 +307,11 @@ class TrainConfig:
         except ValueError as err:
             raise ConfigError(str(err), "device") from None
         if self.model.get("attn_backend") == "triton" and device.type != "cuda" and not triton_interpreter():
-            raise ConfigError(f"attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is on "
-                              f"{device.type}; use --attn-backend auto (or sdpa, tiled)", "attn_backend")  # fmt: skip
+            raise ConfigError(
+                f"attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is on "
+                f"{device.type}; use --attn-backend auto (or sdpa, tiled)",
+                "attn_backend",
+            )
         if self.out is None:
             if self.resume:
                 raise ConfigError("resume needs the run directory to resume (--out)", "resume", "out")
@@ -230,8 +327,11 @@ class TrainConfig:
         (built with a placeholder vocabulary: the tokenizer's size is known only after reading the data)."""
         bad = sorted(set(self.model) - {f.name for f in dataclasses.fields(TransformerConfig)})
         if bad or {"vocab_size", "pad_id"} & set(self.model):
-            raise ConfigError(f"model overrides {bad or ['vocab_size/pad_id']} are not settable TransformerConfig "
-                              "fields (vocab_size and pad_id come from the tokenizer)", "model")  # fmt: skip
+            raise ConfigError(
+                f"model overrides {bad or ['vocab_size/pad_id']} are not settable TransformerConfig "
+                "fields (vocab_size and pad_id come from the tokenizer)",
+                "model",
+            )
         try:
             build_model_config(self, vocab_size=256, pad_id=None)
         except TypeError as err:  # e.g. a dropout that is a string
@@ -256,8 +356,22 @@ def check_saved_value(name: str, value: Any) -> str | None:
 
 
 # Settings that define the model and its data: a resumed run must keep them.
-STRUCTURAL = ("data", "task", "pairs", "tokenizer", "vocab_size", "unknown", "val_fraction", "model", "block_size",
-              "task_min_len", "task_max_len", "task_held_out", "batch_size", "seed")  # fmt: skip
+STRUCTURAL = (
+    "data",
+    "task",
+    "pairs",
+    "tokenizer",
+    "vocab_size",
+    "unknown",
+    "val_fraction",
+    "model",
+    "block_size",
+    "task_min_len",
+    "task_max_len",
+    "task_held_out",
+    "batch_size",
+    "seed",
+)
 
 
 @dataclass
@@ -300,10 +414,23 @@ def build_model_config(cfg: TrainConfig, vocab_size: int, pad_id: int | None, ma
     config = TransformerConfig(**{**base, **cfg.model, "vocab_size": vocab_size, "pad_id": pad_id})
     needed = cfg.block_size if cfg.kind == "lm" else max_len
     if config.position == "learned" and config.max_seq_len < needed:
-        raise ConfigError(f"model max_seq_len={config.max_seq_len} is shorter than the {needed} positions the data "
-                          "needs (block_size or the longest example); raise max_seq_len", "max_seq_len")  # fmt: skip
+        raise ConfigError(
+            f"model max_seq_len={config.max_seq_len} is shorter than the {needed} positions the data "
+            "needs (block_size or the longest example); raise max_seq_len",
+            "max_seq_len",
+        )
     return config
 
 
-__all__ = ["LM_MODEL", "MODEL_FLAGS", "SEQ2SEQ_MODEL", "STRUCTURAL", "ModelFlag", "TrainConfig", "TrainResult",
-           "build_model_config", "check_saved_value", "model_config"]  # fmt: skip
+__all__ = [
+    "LM_MODEL",
+    "MODEL_FLAGS",
+    "SEQ2SEQ_MODEL",
+    "STRUCTURAL",
+    "ModelFlag",
+    "TrainConfig",
+    "TrainResult",
+    "build_model_config",
+    "check_saved_value",
+    "model_config",
+]

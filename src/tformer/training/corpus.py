@@ -226,8 +226,14 @@ def _write_tokens(files: Sequence[Path], tokenizer: Tokenizer, directory: Path) 
             count += len(ids)
         f.flush()
         os.fsync(f.fileno())
-    meta = {"version": _CACHE_VERSION, "dtype": np.dtype(dtype).name, "count": count, "files": len(files),
-            "tokenizer": tokenizer.to_dict()["kind"], "vocab_size": tokenizer.vocab_size}  # fmt: skip
+    meta = {
+        "version": _CACHE_VERSION,
+        "dtype": np.dtype(dtype).name,
+        "count": count,
+        "files": len(files),
+        "tokenizer": tokenizer.to_dict()["kind"],
+        "vocab_size": tokenizer.vocab_size,
+    }
     (directory / "meta.json").write_text(json.dumps(meta))
 
 

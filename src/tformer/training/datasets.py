@@ -87,12 +87,14 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
         train_idx, val_idx = split_pairs(len(pairs), cfg.val_fraction)
         if tokenizer is None:
             texts = (side for i in train_idx for side in pairs[i])
-            tokenizer = build_tokenizer(cfg.tokenizer, texts, vocab_size=cfg.vocab_size, specials=SEQ2SEQ_SPECIALS,
-                                        unknown=cfg.unknown)  # fmt: skip
+            tokenizer = build_tokenizer(
+                cfg.tokenizer, texts, vocab_size=cfg.vocab_size, specials=SEQ2SEQ_SPECIALS, unknown=cfg.unknown
+            )
         encoded = [(tokenizer.encode(s), tokenizer.encode(t)) for s, t in pairs]
         held = [encoded[i] for i in val_idx]
-        train = Seq2SeqBatches(cfg.batch_size, cfg.seed, pairs=[encoded[i] for i in train_idx], bos_id=BOS_ID,
-                               eos_id=EOS_ID, pad_id=PAD_ID)  # fmt: skip
+        train = Seq2SeqBatches(
+            cfg.batch_size, cfg.seed, pairs=[encoded[i] for i in train_idx], bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID
+        )
         max_len = max(max(len(s), len(t) + 2) for s, t in encoded)
     if (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) != (PAD_ID, BOS_ID, EOS_ID):
         raise ValueError(f"a seq2seq tokenizer needs {', '.join(SEQ2SEQ_SPECIALS)} as ids 0, 1, 2; got {tokenizer}")

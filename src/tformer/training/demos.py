@@ -32,11 +32,37 @@ from tformer.training.trainer import train
 # The main job
 # --------------------------------------------------------------------------------------------------
 DEMO_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0)
-DEMO = dict(steps=1800, batch_size=16, block_size=128, lr=2e-3, min_lr=2e-4, warmup=100, eval_every=250,
-            eval_batches=16, save_every=400, log_every=10)  # fmt: skip
+DEMO = dict(
+    steps=1800,
+    batch_size=16,
+    block_size=128,
+    lr=2e-3,
+    min_lr=2e-4,
+    warmup=100,
+    eval_every=250,
+    eval_batches=16,
+    save_every=400,
+    log_every=10,
+)
 # The settings that make a run a train-demo run (its length, --steps, may differ).
-DEMO_IDENTITY = ("data", "task", "pairs", "tokenizer", "model", "block_size", "val_fraction", "seed", "batch_size",
-                 "grad_accum", "lr", "min_lr", "eval_every", "eval_batches", "save_every", "log_every")  # fmt: skip
+DEMO_IDENTITY = (
+    "data",
+    "task",
+    "pairs",
+    "tokenizer",
+    "model",
+    "block_size",
+    "val_fraction",
+    "seed",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "min_lr",
+    "eval_every",
+    "eval_batches",
+    "save_every",
+    "log_every",
+)
 RUN_FILES = (LOCK_FILE, METRICS_FILE, "loss.png", CHECKPOINTS_DIR)  # what a run writes into OUT
 
 
@@ -55,9 +81,11 @@ def check_demo_may_replace(out: Path, cfg: TrainConfig) -> None:
         others = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES)
         if others:
             shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
-            raise ValueError(f"--out {out} is not empty and holds no train-demo run ({len(others)} other "
-                             f"{'entry' if len(others) == 1 else 'entries'}: {shown}); choose another --out or delete "
-                             "it")  # fmt: skip
+            raise ValueError(
+                f"--out {out} is not empty and holds no train-demo run ({len(others)} other "
+                f"{'entry' if len(others) == 1 else 'entries'}: {shown}); choose another --out or delete "
+                "it"
+            )
         return
     mine = cfg.to_dict()
     for checkpoint in found:
@@ -67,12 +95,17 @@ def check_demo_may_replace(out: Path, cfg: TrainConfig) -> None:
             manifest = None
         manifest = manifest if isinstance(manifest, dict) else {}
         saved = manifest.get("train_config")
-        if not (manifest.get("kind") == "lm" and isinstance(saved, dict)
-                and all(saved.get(k) == mine[k] for k in DEMO_IDENTITY)):  # fmt: skip
+        if not (
+            manifest.get("kind") == "lm"
+            and isinstance(saved, dict)
+            and all(saved.get(k) == mine[k] for k in DEMO_IDENTITY)
+        ):
             kind = manifest.get("kind", "unknown")
-            raise ValueError(f"--out {out} holds another run (kind {kind!r}, {len(found)} checkpoint"
-                             f"{'s' if len(found) != 1 else ''}); train-demo only replaces its own runs: choose "
-                             "another --out or delete it")  # fmt: skip
+            raise ValueError(
+                f"--out {out} holds another run (kind {kind!r}, {len(found)} checkpoint"
+                f"{'s' if len(found) != 1 else ''}); train-demo only replaces its own runs: choose "
+                "another --out or delete it"
+            )
 
 
 def clear_demo_run(out: Path, cfg: TrainConfig) -> None:
@@ -105,10 +138,13 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, temperature:
     except ValueError:
         start = []
     if not start:  # a char tokenizer built from a corpus without line breaks
-        raise ValueError("the prompt is empty, and this tokenizer has no line break to start a document from; "
-                         "give a non-empty --prompt")  # fmt: skip
-    return tokenizer.decode(generate(model, [start], max_new_tokens=max_new_tokens, temperature=temperature,
-                                     seed=seed)[0])  # fmt: skip
+        raise ValueError(
+            "the prompt is empty, and this tokenizer has no line break to start a document from; "
+            "give a non-empty --prompt"
+        )
+    return tokenizer.decode(
+        generate(model, [start], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)[0]
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,15 +162,39 @@ class DemoResult:
     examples: list[tuple[list[int], list[int], list[int]]]  # (source, expected, predicted)
 
 
-def reverse_config(task: str = "reverse", *, steps: int = 1500, batch_size: int = 64, lr: float = 2e-3,
-                   seed: int = 0, held_out: int = 500, max_len: int = 16, model: dict | None = None,
-                   progress: bool = True) -> TrainConfig:  # fmt: skip
+def reverse_config(
+    task: str = "reverse",
+    *,
+    steps: int = 1500,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    seed: int = 0,
+    held_out: int = 500,
+    max_len: int = 16,
+    model: dict | None = None,
+    progress: bool = True,
+) -> TrainConfig:
     """The demo's run: AdamW (0.9, 0.98), a short warmup and a cosine to lr/20, no label smoothing, in memory;
     sources of 1 to ``max_len`` symbols, the model ``REVERSE_MODEL`` (updated by ``model``)."""
-    return TrainConfig(out=None, task=task, task_max_len=max_len, task_held_out=held_out, steps=steps,
-                       batch_size=batch_size, lr=lr, min_lr=lr / 20, warmup=max(1, steps // 20), betas=(0.9, 0.98),
-                       weight_decay=0.01, label_smoothing=0.0, eval_every=0, log_every=10, seed=seed,
-                       model={**REVERSE_MODEL, **(model or {})}, progress=progress)  # fmt: skip
+    return TrainConfig(
+        out=None,
+        task=task,
+        task_max_len=max_len,
+        task_held_out=held_out,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        min_lr=lr / 20,
+        warmup=max(1, steps // 20),
+        betas=(0.9, 0.98),
+        weight_decay=0.01,
+        label_smoothing=0.0,
+        eval_every=0,
+        log_every=10,
+        seed=seed,
+        model={**REVERSE_MODEL, **(model or {})},
+        progress=progress,
+    )
 
 
 def held_out_examples(result: TrainResult, cfg: TrainConfig, count: int = 5) -> list[tuple[list[int], ...]]:
@@ -143,16 +203,31 @@ def held_out_examples(result: TrainResult, cfg: TrainConfig, count: int = 5) -> 
     sources = task_held_out(cfg)[:count]
     src, src_mask = pad_right([list(s) for s in sources])
     device = next(result.model.parameters()).device
-    predicted = greedy_seq2seq(result.model, src.to(device), src_mask.to(device), bos_id=BOS_ID, eos_id=EOS_ID,
-                               max_new_tokens=task.max_target_len)  # fmt: skip
+    predicted = greedy_seq2seq(
+        result.model,
+        src.to(device),
+        src_mask.to(device),
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        max_new_tokens=task.max_target_len,
+    )
     return [(list(s), task.target(s), p) for s, p in zip(sources, predicted, strict=True)]
 
 
-def run_demo(*, task: str = "reverse", steps: int = 1500, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
-             held_out: int = 500, progress: bool = True) -> DemoResult:  # fmt: skip
+def run_demo(
+    *,
+    task: str = "reverse",
+    steps: int = 1500,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    seed: int = 0,
+    held_out: int = 500,
+    progress: bool = True,
+) -> DemoResult:
     """Train on ``steps`` batches of the task and report held-out exact-match accuracy."""
-    cfg = reverse_config(task, steps=steps, batch_size=batch_size, lr=lr, seed=seed, held_out=held_out,
-                         progress=progress)  # fmt: skip
+    cfg = reverse_config(
+        task, steps=steps, batch_size=batch_size, lr=lr, seed=seed, held_out=held_out, progress=progress
+    )
     result = train(cfg)
     examples = held_out_examples(result, cfg)
     return DemoResult(result.val_accuracy, result.final_loss, result.step, result.seconds, examples)

@@ -29,8 +29,13 @@ def seq2seq_loss_sum(model: nn.Module, rows, pad_id: int, label_smoothing: float
     """Sum over target tokens (padding ignored) of the (label-smoothed) cross-entropy."""
     src, src_mask, tgt_in, tgt_out, tgt_mask = rows
     logits = model(src, tgt_in, src_mask, tgt_mask)  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=pad_id, reduction="sum",
-                           label_smoothing=label_smoothing)  # fmt: skip
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        tgt_out.flatten(),
+        ignore_index=pad_id,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
 
 
 def loss_sum(model: nn.Module, kind: str, rows, pad_id: int | None, label_smoothing: float = 0.0) -> Tensor:
@@ -41,8 +46,16 @@ def loss_sum(model: nn.Module, kind: str, rows, pad_id: int | None, label_smooth
 
 
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, batches: list, kind: str, pad_id: int | None, world: World,
-                  amp: torch.dtype | None, device: torch.device, chunk: int) -> float:  # fmt: skip
+def evaluate_loss(
+    model: nn.Module,
+    batches: list,
+    kind: str,
+    pad_id: int | None,
+    world: World,
+    amp: torch.dtype | None,
+    device: torch.device,
+    chunk: int,
+) -> float:
     """Mean per-token cross-entropy over ``batches`` (no label smoothing), ``chunk`` rows at a time.
 
     Each rank takes its share of every batch's rows; the sums are all-reduced, so the result does not depend on
@@ -66,8 +79,13 @@ def evaluate_loss(model: nn.Module, batches: list, kind: str, pad_id: int | None
 
 
 @torch.no_grad()
-def exact_match(model: nn.Module, held_out: list[tuple[list[int], list[int]]], tokenizer: Tokenizer,
-                device: torch.device, batch_size: int = 250) -> float:  # fmt: skip
+def exact_match(
+    model: nn.Module,
+    held_out: list[tuple[list[int], list[int]]],
+    tokenizer: Tokenizer,
+    device: torch.device,
+    batch_size: int = 250,
+) -> float:
     """Fraction of held-out sources whose greedy decode equals the target exactly."""
     model = unwrap(model)
     was_training = model.training
@@ -78,8 +96,9 @@ def exact_match(model: nn.Module, held_out: list[tuple[list[int], list[int]]], t
         batch = evaluation_batches(chunk, len(chunk), tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)[0]
         src, src_mask, *_ = (t.to(device) for t in batch.rows(0, len(chunk)))
         longest = max(len(t) for _, t in chunk) + 1
-        predictions = greedy_seq2seq(model, src, src_mask, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                                     max_new_tokens=longest)  # fmt: skip
+        predictions = greedy_seq2seq(
+            model, src, src_mask, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, max_new_tokens=longest
+        )
         correct += sum(p == list(t) for p, (_, t) in zip(predictions, chunk, strict=True))
     model.train(was_training)
     return correct / len(held_out)

@@ -67,8 +67,15 @@ class MetricsLog:
 
     def __init__(self, path: Path, *, start: int = 0, mid_window: bool = False) -> None:
         self.path = path
-        kept = [r for r in read_metrics(path) if r.get("step", 0) < start
-                or (r.get("step") == start and not (mid_window and "loss" in r))] if start else []  # fmt: skip
+        kept = (
+            [
+                r
+                for r in read_metrics(path)
+                if r.get("step", 0) < start or (r.get("step") == start and not (mid_window and "loss" in r))
+            ]
+            if start
+            else []
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")

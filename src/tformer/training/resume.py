@@ -24,8 +24,11 @@ def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> Ch
     if not found:
         return err
     good = last_good_checkpoint(found[:-1])
-    hint = (f"delete it to resume from {good.name}" if good is not None else
-            "no earlier checkpoint verifies; train without --resume into another --out")  # fmt: skip
+    hint = (
+        f"delete it to resume from {good.name}"
+        if good is not None
+        else "no earlier checkpoint verifies; train without --resume into another --out"
+    )
     return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
 
 
@@ -37,12 +40,15 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
     latest = find_latest(cfg.out)
     if not cfg.resume:
         if latest is not None:
-            raise FileExistsError(f"{cfg.out} already holds checkpoints (latest {latest.name}); pass --resume to "
-                                  "continue that run, or choose another --out")  # fmt: skip
+            raise FileExistsError(
+                f"{cfg.out} already holds checkpoints (latest {latest.name}); pass --resume to "
+                "continue that run, or choose another --out"
+            )
         return None
     if latest is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {Path(cfg.out) / CHECKPOINTS_DIR}; train without "
-                                "--resume first")  # fmt: skip
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {Path(cfg.out) / CHECKPOINTS_DIR}; train without --resume first"
+        )
     try:  # on this run's attention backend: all are exact, so a run may continue on another one
         ckpt = load_checkpoint(cfg.out, with_state=True, attn_backend=cfg.model.get("attn_backend", "auto"))
     except CheckpointError as err:
@@ -54,8 +60,10 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
 def check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
     """``ValueError`` unless ``ckpt`` was saved by a run of the same model, data and batches as ``cfg``."""
     if ckpt.kind != cfg.kind:
-        raise ValueError(f"the checkpoint in {cfg.out} is a {ckpt.kind!r} model but this run trains a {cfg.kind!r} "
-                         "one; resume with the same --data/--task/--pairs or train into another --out")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint in {cfg.out} is a {ckpt.kind!r} model but this run trains a {cfg.kind!r} "
+            "one; resume with the same --data/--task/--pairs or train into another --out"
+        )
     saved = dict(ckpt.train_config)
     for name in ("data", "pairs"):  # runs saved before paths were made absolute
         if isinstance(saved.get(name), str):
@@ -68,8 +76,9 @@ def check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
     if diffs:
         raise ValueError(f"cannot resume {ckpt.path}: these settings differ from the saved run: {'; '.join(diffs)}")
     if ckpt.step >= cfg.steps:
-        raise ValueError(f"the checkpoint is already at step {ckpt.step} >= steps={cfg.steps}; raise --steps to "
-                         "train further")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint is already at step {ckpt.step} >= steps={cfg.steps}; raise --steps to train further"
+        )
     end = cfg.stop_after if cfg.stop_after is not None else cfg.steps
     if end <= ckpt.step:
         raise ValueError(f"stop_after={end} is not after the checkpoint's step {ckpt.step}; nothing to train")

@@ -74,15 +74,19 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"unknown device {name!r}; use --device auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} is not available here (torch.cuda.is_available() is False); "
-                             "use --device cpu")  # fmt: skip
+            raise ValueError(
+                f"device {name!r} is not available here (torch.cuda.is_available() is False); use --device cpu"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {name!r} is not available here: this machine has {count} CUDA device(s), "
-                             f"cuda:0 to cuda:{count - 1}; use --device cuda:0")  # fmt: skip
+            raise ValueError(
+                f"device {name!r} is not available here: this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}; use --device cuda:0"
+            )
     elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {name!r} is not available here (torch.backends.mps.is_available() is False); "
-                         "use --device cpu")  # fmt: skip
+        raise ValueError(
+            f"device {name!r} is not available here (torch.backends.mps.is_available() is False); use --device cpu"
+        )
     elif device.type not in ("cpu", "mps"):
         raise ValueError(f"device {name!r} is not supported; use --device auto, cpu, cuda or cuda:N")
     return device

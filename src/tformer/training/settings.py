@@ -95,8 +95,11 @@ def describe(annotation: Any) -> str:
         elif get_origin(alt) is tuple:
             words.append(f"{len(get_args(alt))} numbers" if get_args(alt) else "a list")
         else:
-            words.append({int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                          dict: "a dict"}.get(get_origin(alt) or alt, str(alt)))  # fmt: skip
+            words.append(
+                {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a dict"}.get(
+                    get_origin(alt) or alt, str(alt)
+                )
+            )
     return " or ".join(dict.fromkeys(words))
 
 

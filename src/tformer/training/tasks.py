@@ -1,9 +1,9 @@
 """The built-in sequence-to-sequence tasks, generated on the fly.
 
-Every built-in task maps a source sequence of symbols to a target sequence over one shared vocabulary:
-``<pad>=0, <bos>=1, <eos>=2`` (:data:`tformer.training.tokenizers.SEQ2SEQ_SPECIALS`) then the task's symbols (``alphabet``: symbol ``i`` is character ``alphabet[i]`` and
-id ``3 + i``). Sequences are drawn from a seeded generator, and a held-out set is kept out of training so
-accuracy is measured on sequences the model never saw.
+Every built-in task maps a source sequence of symbols to a target sequence over one shared vocabulary: ``<pad>=0,
+<bos>=1, <eos>=2`` (:data:`tformer.training.tokenizers.SEQ2SEQ_SPECIALS`), then the task's symbols (``alphabet``: symbol
+``i`` is character ``alphabet[i]`` and id ``3 + i``). Sequences are drawn from a seeded generator, and a held-out set is
+kept out of training so accuracy is measured on sequences the model never saw.
 
 Tasks: ``reverse``, ``sort``, ``copy`` (sources of ``min_len..max_len`` symbols) and ``add`` (multi-digit
 addition: ``"123+45" -> "168"``; operands of ``min_len..max_len`` digits, alphabet ``0123456789+``).

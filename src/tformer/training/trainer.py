@@ -70,17 +70,21 @@ def train(cfg: TrainConfig, *, init: Init | None = None) -> TrainResult:
     """
     cfg.validate()  # everything that can be checked before OUT is created for the lock
     if init is not None and cfg.resume:
-        raise ConfigError("init re-initializes a fresh model; a resumed run continues its checkpoint's weights",
-                          "resume")  # fmt: skip
+        raise ConfigError(
+            "init re-initializes a fresh model; a resumed run continues its checkpoint's weights", "resume"
+        )
     scan = scan_corpus(cfg.data) if cfg.kind == "lm" else None  # the corpus's text files (a folder with none fails)
     if cfg.pairs is not None:
         check_pairs_file(cfg.pairs)
     world = init_world(cfg.device)
     try:
         if cfg.batch_size % (world.size * cfg.grad_accum):
-            raise ConfigError(f"batch_size={cfg.batch_size} must divide evenly into {world.size} processes x "
-                              f"grad_accum={cfg.grad_accum} micro-batches (--batch-size, --grad-accum)",
-                              "batch_size", "grad_accum")  # fmt: skip
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} must divide evenly into {world.size} processes x "
+                f"grad_accum={cfg.grad_accum} micro-batches (--batch-size, --grad-accum)",
+                "batch_size",
+                "grad_accum",
+            )
         device = _device(cfg, world)
         with claimed(cfg.out, world, device):
             return Trainer.start(cfg, world, device, scan, init).run()
@@ -99,8 +103,9 @@ def _device(cfg: TrainConfig, world: World) -> torch.device:
 class Trainer:
     """One training run: the model, its optimizer and data, the step counter and what has been measured so far."""
 
-    def __init__(self, cfg: TrainConfig, world: World, device: torch.device, data: RunData, model: nn.Module,
-                 start: int) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: TrainConfig, world: World, device: torch.device, data: RunData, model: nn.Module, start: int
+    ) -> None:
         self.cfg, self.world, self.device, self.data = cfg, world, device, data
         self.model = model.to(device).train()
         self.optimizer = make_optimizer(self.model, cfg)
@@ -121,8 +126,9 @@ class Trainer:
         self._window = (time.perf_counter(), 0)  # (start, tokens) of the current tokens/s measurement
 
     @classmethod
-    def start(cls, cfg: TrainConfig, world: World, device: torch.device, scan: CorpusScan | None,
-              init: Init | None) -> Trainer:  # fmt: skip
+    def start(
+        cls, cfg: TrainConfig, world: World, device: torch.device, scan: CorpusScan | None, init: Init | None
+    ) -> Trainer:
         """Load the checkpoint to resume (if any), prepare the data, and build or restore the model."""
         ckpt = checkpoint_to_resume(cfg)
         if world.main and scan is not None and scan.skipped():
@@ -160,16 +166,24 @@ class Trainer:
             return
         if self.amp == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bfloat16():
             note = "dtype: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX): bfloat16 autocast is"
-            print(f"{note} emulated and slower than float32 here; --dtype float32 is the faster choice", file=sys.stderr)
+            print(
+                f"{note} emulated and slower than float32 here; --dtype float32 is the faster choice", file=sys.stderr
+            )
         if self.cfg.out is not None:
             mid_window = self.start % self.cfg.log_every != 0
-            self.metrics = MetricsLog(Path(self.cfg.out) / METRICS_FILE, start=self.start if resumed else 0,
-                                      mid_window=mid_window)  # fmt: skip
+            self.metrics = MetricsLog(
+                Path(self.cfg.out) / METRICS_FILE, start=self.start if resumed else 0, mid_window=mid_window
+            )
         if self.cfg.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.cfg.steps, initial=self.start, unit="step", dynamic_ncols=True,
-                            desc=f"{self.cfg.kind} {self.num_parameters / 1e6:.2f}M params")  # fmt: skip
+            self.bar = tqdm(
+                total=self.cfg.steps,
+                initial=self.start,
+                unit="step",
+                dynamic_ncols=True,
+                desc=f"{self.cfg.kind} {self.num_parameters / 1e6:.2f}M params",
+            )
 
     # -- the named steps -------------------------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> None:
@@ -221,8 +235,16 @@ class Trainer:
         rate = self._window[1] / max(now - self._window[0], 1e-9)
         self._window = (now, 0)
         mean = sum(self.loss_window) / len(self.loss_window)
-        self._record({"step": self.done, "loss": mean, "lr": self.lr, "tokens_per_s": rate, "tokens": self.tokens_seen,
-                      "elapsed": now - self._t0})  # fmt: skip
+        self._record(
+            {
+                "step": self.done,
+                "loss": mean,
+                "lr": self.lr,
+                "tokens_per_s": rate,
+                "tokens": self.tokens_seen,
+                "elapsed": now - self._t0,
+            }
+        )
         if self.done % self.cfg.log_every == 0:
             self.loss_window.clear()
         if self.bar is not None:
@@ -245,10 +267,21 @@ class Trainer:
         self._check_finite("a weight", 0.0 if bool(finite) else math.nan, self.done)
         if not self.world.main or self.cfg.out is None:
             return
-        state = {"optimizer": self.optimizer.state_dict(), "tokens_seen": self.tokens_seen,
-                 "loss_window": list(self.loss_window)}  # fmt: skip
-        save_checkpoint(self.cfg.out, model=self.model, tokenizer=self.data.tokenizer, kind=self.cfg.kind,
-                        step=self.done, train_config=self.cfg.to_dict(), trainer_state=state, keep=self.cfg.keep)  # fmt: skip
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "tokens_seen": self.tokens_seen,
+            "loss_window": list(self.loss_window),
+        }
+        save_checkpoint(
+            self.cfg.out,
+            model=self.model,
+            tokenizer=self.data.tokenizer,
+            kind=self.cfg.kind,
+            step=self.done,
+            train_config=self.cfg.to_dict(),
+            trainer_state=state,
+            keep=self.cfg.keep,
+        )
 
     # -- the loop --------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -314,11 +347,10 @@ class Trainer:
 
     def _check_first_batch(self, batch) -> None:
         """The ids of the first batch against the model's vocabulary, once (the forward itself reads no ids)."""
-        cfg = self.model.cfg
         rows = batch.rows(0, min(len(batch), self.micro_rows))
-        for name, ids in zip(("ids", "targets") if self.cfg.kind == "lm" else ("src", "tgt_in", "tgt_out"),
-                             (rows[0], rows[1]) if self.cfg.kind == "lm" else (rows[0], rows[2], rows[3])):  # fmt: skip
-            check_inputs(cfg, ids, name=name)
+        named = {"ids": rows[0], "targets": rows[1]} if self.cfg.kind == "lm" else {"src": rows[0], "tgt_in": rows[2]}
+        for name, ids in named.items():
+            check_inputs(self.model.cfg, ids, name=name)
 
     def _agree_to_stop(self, stop: StopFlag) -> bool:
         if self.world.size > 1:  # every rank must agree to stop at the same step
@@ -345,8 +377,11 @@ class Trainer:
         latest = find_latest(cfg.out) if cfg.out is not None else None
         kept = f"checkpoints up to {latest.name} are intact" if latest else "no checkpoint was written"
         clip = f"lower --grad-clip (now {cfg.grad_clip:g})" if cfg.grad_clip > 0 else "turn on --grad-clip"
-        raise TrainingError(f"training diverged: {what} is {value} at step {step}; lower --lr (now {cfg.lr:g}), "
-                            f"raise --warmup (now {cfg.warmup}) or {clip}; {kept}", losses=dict(self.losses))  # fmt: skip
+        raise TrainingError(
+            f"training diverged: {what} is {value} at step {step}; lower --lr (now {cfg.lr:g}), "
+            f"raise --warmup (now {cfg.warmup}) or {clip}; {kept}",
+            losses=dict(self.losses),
+        )
 
     def _result(self, seconds: float, interrupted: bool) -> TrainResult:
         out = Path(self.cfg.out) if self.cfg.out is not None else None
