@@ -1,7 +1,34 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
 Layers of the package (dependencies point one way):
-    functional (tensor math) <- layers <- models <- training / generation <- CLI.
+    config, functional (tensor math) <- attention <- layers <- models <- generation, training <- experiments,
+    claims <- cli.
+
+Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
+tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.
+
+    B        batch
+    T        tokens of a model or layer input (inside a layer, also its query length)
+    L        query length of an attention call
+    S        key length of an attention call; the source length of an encoder-decoder
+    P        prompt length (padded)
+    N        tokens generated so far
+    W        context window (the positions of a learned table)
+    K        beams per source
+    C        model width, d_model
+    V        vocabulary size
+    H        query heads
+    Hkv      key/value heads
+    G        query heads per key/value head, H / Hkv
+    D        query/key head dimension, C / H
+    Dv       value head dimension
+    BH       independent attention problems of the tiled kernels, B * Hkv
+    Lt       query positions of one tile
+    St       keys of one tile
+    R        rows of a query tile, Lt * G
+    BLOCK_M  query rows of a Triton program tile (Triton's name for Lt * G)
+    BLOCK_N  keys of a Triton program tile (Triton's name for St)
+    BLOCK_D  D rounded up to a power of two; BLOCK_DV: Dv rounded up
 
 The names below are imported on first use (PEP 562 ``__getattr__``): ``import tformer`` does not import torch,
 so the ``tformer`` command is already handling Ctrl-C while torch loads (about 1.5 s), and exits with 130

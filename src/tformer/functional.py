@@ -2,9 +2,7 @@
 
 Nothing here holds parameters; the layers in :mod:`tformer.layers` call these functions.
 
-Shape legend used throughout the library:
-    B batch, H query heads, Hkv key/value heads, L query length, S key length,
-    E query/key head dim, Ev value head dim, T sequence length, C model width (d_model).
+Shapes: B, H, Hkv, L, S, D, Dv, T, C (the package legend, :mod:`tformer`).
 
 The one mask convention of tformer (the same as ``torch.nn.functional.scaled_dot_product_attention``):
     * a boolean mask is ``True`` where a query **may attend** to a key;
@@ -48,13 +46,13 @@ def merge_masks(attn_mask: Tensor | None, is_causal: bool, num_queries: int, num
 def check_attention_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> None:
     if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
         raise ValueError(
-            f"attention needs query (..., L, E), key (..., S, E), value (..., S, Ev); got shapes "
+            f"attention needs query (..., L, D), key (..., S, D), value (..., S, Dv); got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
-            f"query and key must share the last (head) dimension E; got query E={query.shape[-1]}, "
-            f"key E={key.shape[-1]}"
+            f"query and key must share the last (head) dimension D; got query D={query.shape[-1]}, "
+            f"key D={key.shape[-1]}"
         )
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(
@@ -79,7 +77,7 @@ def check_attention_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
 
 
 def _group_query_heads(query: Tensor, key: Tensor) -> tuple[Tensor, int]:
-    """View ``query (..., H, L, E)`` as ``(..., Hkv, H/Hkv, L, E)`` when key has fewer heads (no copy).
+    """View ``query (..., H, L, D)`` as ``(..., Hkv, H/Hkv, L, D)`` when key has fewer heads (no copy).
 
     Query head ``j`` then meets key/value head ``j // (H/Hkv)`` (the ``repeat_interleave`` convention of
     Llama and of PyTorch's ``enable_gqa``). Returns the (possibly) regrouped query and the group size.
@@ -92,7 +90,7 @@ def _group_query_heads(query: Tensor, key: Tensor) -> tuple[Tensor, int]:
 
 
 def _kv_for_groups(t: Tensor, groups: int) -> Tensor:
-    return t if groups == 1 else t.unsqueeze(-3)  # (..., Hkv, S, E) -> (..., Hkv, 1, S, E)
+    return t if groups == 1 else t.unsqueeze(-3)  # (..., Hkv, S, D) -> (..., Hkv, 1, S, D)
 
 
 def _mask_for_groups(mask: Tensor | None, groups: int) -> Tensor | None:
@@ -117,11 +115,11 @@ def attention_scores(
 ) -> Tensor:
     """Masked, scaled logits ``Z = Q K^T * scale`` with forbidden entries set to ``-inf``.
 
-    Shapes: ``query (..., L, E)``, ``key (..., S, E)`` -> ``(..., L, S)``. Default ``scale = 1/sqrt(E)``:
-    with iid unit-variance entries ``Var(q.k) = E``, so dividing by ``sqrt(E)`` restores unit variance.
+    Shapes: ``query (..., L, D)``, ``key (..., S, D)`` -> ``(..., L, S)``. Default ``scale = 1/sqrt(D)``:
+    with iid unit-variance entries ``Var(q.k) = D``, so dividing by ``sqrt(D)`` restores unit variance.
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale  # (..., L, E) @ (..., E, S) -> (..., L, S)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale  # (..., L, D) @ (..., D, S) -> (..., L, S)
     mask = merge_masks(attn_mask, is_causal, query.shape[-2], key.shape[-2])
     if mask is None:
         return scores
@@ -149,7 +147,7 @@ def attention_weights(
     is_causal: bool = False,
     scale: float | None = None,
 ) -> Tensor:
-    """Attention probabilities ``A = softmax(Q K^T / sqrt(E) + mask)`` of shape ``(..., L, S)``.
+    """Attention probabilities ``A = softmax(Q K^T / sqrt(D) + mask)`` of shape ``(..., L, S)``.
 
     Grouped-query shapes (fewer key heads than query heads) are broadcast: query head ``j`` uses key
     head ``j // (H/Hkv)``; the result has the query's head count.
@@ -177,7 +175,7 @@ def reference_attention(
     1. scores ``Z = Q K^T * scale``                  (..., L, S)
     2. mask: forbidden entries ``-inf`` (before the softmax, so allowed weights renormalize)
     3. ``A = softmax(Z)`` row-wise; empty rows -> 0  (..., L, S)
-    4. output ``A V``                                (..., L, Ev)
+    4. output ``A V``                                (..., L, Dv)
     """
     grouped, groups = _group_query_heads(query, key)
     scores = attention_scores(
@@ -186,7 +184,7 @@ def reference_attention(
     weights = masked_softmax(scores)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    out = torch.matmul(weights, _kv_for_groups(value, groups))  # (..., L, S) @ (..., S, Ev) -> (..., L, Ev)
+    out = torch.matmul(weights, _kv_for_groups(value, groups))  # (..., L, S) @ (..., S, Dv) -> (..., L, Dv)
     return out.reshape(*query.shape[:-1], value.shape[-1]) if groups > 1 else out
 
 

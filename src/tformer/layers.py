@@ -1,7 +1,7 @@
 """Layers: multi-head attention, feed-forward, position encodings, and the one residual block.
 
-Shape legend: B batch, T query length, S key length, C d_model, H heads, Hkv key/value heads,
-D head dim (C / H). Masks follow the library convention of :mod:`tformer.functional`.
+Shapes: B, T, S, C, H, Hkv, D (the package legend, :mod:`tformer`). Masks follow the library convention of
+:mod:`tformer.functional`.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class MultiHeadAttention(nn.Module):
                     rope = self.rotary(positions)
                 q, k = self.rotary.rotate(q, rope), self.rotary.rotate(k, rope)
             if cache is not None:
-                k, v = cache.self_kv.update(k, v)  # (B, Hkv, S_past + T, D)
+                k, v = cache.self_kv.update(k, v)  # (B, Hkv, past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
             weight, bias = self.in_proj.weight, self.in_proj.bias
             q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), H)

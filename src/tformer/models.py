@@ -1,7 +1,7 @@
 """Models: the encoder, the decoder, the 2017 encoder-decoder Transformer and a GPT-style decoder-only LM.
 
-All are thin compositions of :class:`tformer.layers.BlockStack`. Shape legend: B batch, S source length,
-T target length, C d_model, V vocabulary.
+All are thin compositions of :class:`tformer.layers.BlockStack`. Shapes: B, S (source), T (target), P, C, V (the package
+legend, :mod:`tformer`).
 
 The one mask convention for model inputs: a ``(B, T)`` boolean ``mask`` is ``True`` for a real token
 (which may be attended) and ``False`` for padding.

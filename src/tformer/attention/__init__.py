@@ -3,8 +3,8 @@
 Every backend computes ``Attention(Q, K, V) = softmax(Q K^T * scale + mask) V`` (Vaswani et al. 2017, eq. 1) with the
 library's mask convention (:mod:`tformer.functional`), and has the signature of :data:`AttentionFn`::
 
-    run(query (..., H, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev),
-        attn_mask, is_causal, scale, dropout_p) -> (..., H, L, Ev)
+    run(query (..., H, L, D), key (..., Hkv, S, D), value (..., Hkv, S, Dv),
+        attn_mask, is_causal, scale, dropout_p) -> (..., H, L, Dv)
 
 ==========  ==========================================================================  =======  ===================
 name        what                                                                        dropout  devices
@@ -121,11 +121,11 @@ def scaled_dot_product_attention(
     """``Attention(Q, K, V) = softmax(Q K^T * scale + mask) V`` (Vaswani et al. 2017, eq. 1) on a chosen backend.
 
     Args follow ``torch.nn.functional.scaled_dot_product_attention``:
-        query ``(..., H, L, E)``, key ``(..., Hkv, S, E)``, value ``(..., Hkv, S, Ev)`` -> ``(..., H, L, Ev)``.
+        query ``(..., H, L, D)``, key ``(..., Hkv, S, D)``, value ``(..., Hkv, S, Dv)`` -> ``(..., H, L, Dv)``.
         attn_mask: boolean (``True`` = may attend) or float (added to the scores), broadcastable to
             ``(..., L, S)``. May be combined with ``is_causal`` (both apply).
         is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned when ``L != S``).
-        scale: defaults to ``1/sqrt(E)``.
+        scale: defaults to ``1/sqrt(D)``.
         dropout_p: dropout on the attention weights (backends ``reference`` and ``sdpa``).
         backend: a name of :data:`BACKENDS` or ``"auto"`` (:func:`auto_backend`).
     Grouped-query attention: key/value may have fewer heads (dim -3) than the query when it divides

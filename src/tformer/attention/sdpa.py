@@ -7,8 +7,8 @@ Two rules make PyTorch's function fit the library's convention and its CPU measu
   :func:`cpu_attention_in_float32` (measured, BENCHMARKS.md "Half precision on the CPU"); the result is cast back,
   so callers see their own dtype either way.
 
-Shapes (the package legend, :mod:`tformer`): query ``(..., H, L, E)``, key ``(..., Hkv, S, E)``, value
-``(..., Hkv, S, Ev)`` -> ``(..., H, L, Ev)``.
+Shapes: H, Hkv, L, S, D, Dv (the package legend, :mod:`tformer`). Query ``(..., H, L, D)``, key ``(..., Hkv, S, D)``,
+value ``(..., Hkv, S, Dv)`` -> ``(..., H, L, Dv)``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Exact attention in tiles with an online softmax (FlashAttention-2), forward and backward, in PyTorch.
 
-Shape legend: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per key/value head
-(grouped-query attention), L query length, S key length, E query/key head dim, Ev value head dim.
-Inside the tile loops: N = B * Hkv (flattened), R = rows of a query tile (Lt positions x G heads),
-C = columns (keys) of a key tile.
+Shapes: B, H, Hkv, G, L, S, D, Dv and, inside the tile loops, BH (the B * Hkv problems), Lt, St and R = Lt * G
+rows of a query tile (the package legend, :mod:`tformer`).
 
 The score matrix ``Z = Q K^T * scale + mask`` of shape (L, S) is never formed: queries are cut into
-tiles of ``block_q`` positions and keys into tiles of ``block_k`` positions, and only one (R, C) tile
-of scores exists at a time. Extra memory is O((L + S) * E + R * C), forward and backward.
+tiles of ``block_q`` positions and keys into tiles of ``block_k`` positions, and only one (R, St) tile
+of scores exists at a time. Extra memory is O((L + S) * D + R * St), forward and backward.
 
 Row statistics and the softmax exponent use base 2: ``exp(x) = 2^(x log2 e)``. ``torch.exp2`` runs
 about 2x faster than ``torch.exp`` on CPU and does not slow down on strongly negative arguments,
@@ -33,14 +31,14 @@ DEFAULT_BLOCK = (256, 256)  # (query positions, keys) per tile; fastest measured
 class _Layout:
     """How the user's shapes map onto the canonical 3-D problem, and back.
 
-    Canonical tensors: ``q (N, L*G, E)`` with rows ordered (position, group head) so that a contiguous
-    range of query positions is a contiguous range of rows; ``k (N, S, E)``; ``v (N, S, Ev)``.
+    Canonical tensors: ``q (BH, L*G, D)`` with rows ordered (position, group head) so that a contiguous
+    range of query positions is a contiguous range of rows; ``k (BH, S, D)``; ``v (BH, S, Dv)``.
     The mask is kept as a broadcastable view of shape ``(*batch, Hkv|1, L|1, G|1, S|1)``, never expanded.
     """
 
     def __init__(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None):
         if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
-            raise ValueError("tiled_attention needs query (..., L, E), key (..., S, E), value (..., S, Ev)")
+            raise ValueError("tiled_attention needs query (..., L, D), key (..., S, D), value (..., S, Dv)")
         if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
             raise ValueError(
                 f"shape mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
@@ -65,20 +63,20 @@ class _Layout:
         if attn_mask is not None and attn_mask.dim() >= 3:
             batch_shapes.append(attn_mask.shape[:-3])
         self.batch = tuple(torch.broadcast_shapes(*batch_shapes))
-        self.lead = (*self.batch, self.kv_heads)  # the N = B * Hkv independent problems
-        self.L, self.S, self.E, self.Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+        self.lead = (*self.batch, self.kv_heads)  # the BH = B * Hkv independent problems
+        self.L, self.S, self.D, self.Dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
         self._q, self._k, self._v, self._mask = q, k, v, attn_mask
 
     def canonical(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Differentiable views (copies only where a broadcast or the GQA row order requires one)."""
-        G, L, E = self.groups, self.L, self.E
-        q = self._q.expand(*self.batch, self._q.shape[-3], L, E)
+        G, L, D = self.groups, self.L, self.D
+        q = self._q.expand(*self.batch, self._q.shape[-3], L, D)
         if q.shape[-3] == 1 and self.heads > 1:
-            q = q.expand(*self.batch, self.heads, L, E)
-        q = q.unflatten(-3, (self.kv_heads, G)).transpose(-3, -2)  # (*batch, Hkv, L, G, E)
-        q = q.reshape(-1, L * G, E)  # (N, L*G, E); rows ordered (position, head in group)
-        k = self._k.expand(*self.lead, self.S, E).reshape(-1, self.S, E)  # (N, S, E)
-        v = self._v.expand(*self.lead, self.S, self.Ev).reshape(-1, self.S, self.Ev)  # (N, S, Ev)
+            q = q.expand(*self.batch, self.heads, L, D)
+        q = q.unflatten(-3, (self.kv_heads, G)).transpose(-3, -2)  # (*batch, Hkv, L, G, D)
+        q = q.reshape(-1, L * G, D)  # (BH, L*G, D); rows ordered (position, head in group)
+        k = self._k.expand(*self.lead, self.S, D).reshape(-1, self.S, D)  # (BH, S, D)
+        v = self._v.expand(*self.lead, self.S, self.Dv).reshape(-1, self.S, self.Dv)  # (BH, S, Dv)
         return q, k, v, self._canonical_mask()
 
     def _canonical_mask(self) -> Tensor | None:
@@ -95,9 +93,9 @@ class _Layout:
         return mask.transpose(-3, -2)  # (*batch|1, Hkv, L|1, G, S|1): a view, no copy
 
     def output(self, out: Tensor) -> Tensor:
-        """``(N, L*G, Ev)`` -> ``(*batch, H, L, Ev)`` (without the head dim for 2-D inputs)."""
-        out = out.view(*self.lead, self.L, self.groups, self.Ev).transpose(-3, -2)  # (*batch, Hkv, G, L, Ev)
-        out = out.reshape(*self.batch, self.heads, self.L, self.Ev)
+        """``(BH, L*G, Dv)`` -> ``(*batch, H, L, Dv)`` (without the head dim for 2-D inputs)."""
+        out = out.view(*self.lead, self.L, self.groups, self.Dv).transpose(-3, -2)  # (*batch, Hkv, G, L, Dv)
+        out = out.reshape(*self.batch, self.heads, self.L, self.Dv)
         return out.view(out.shape[len(out.shape) - self.out_ndim :])
 
 
@@ -109,13 +107,13 @@ def _tile(mask: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
     """Queries ``i0:i1`` and keys ``j0:j1`` of a canonical mask view (broadcast dims stay size 1)."""
     rows = slice(i0, i1) if mask.shape[-3] > 1 else slice(None)
     cols = slice(j0, j1) if mask.shape[-1] > 1 else slice(None)
-    return mask[..., rows, :, cols]  # (*batch|1, Hkv|1, Lt|1, G|1, C|1)
+    return mask[..., rows, :, cols]  # (*batch|1, Hkv|1, Lt|1, G|1, St|1)
 
 
 class _Tiler:
     """Score tiles ``log2(e) * (Q_i K_j^T * scale + mask_ij) - shift`` with masking and skipping.
 
-    Args: ``lead`` the batch shape of the N problems, ``groups`` G, the canonical ``mask`` view or None.
+    Args: ``lead`` the batch shape of the BH problems, ``groups`` G, the canonical ``mask`` view or None.
     """
 
     def __init__(self, lead: tuple[int, ...], groups: int, mask: Tensor | None, is_causal: bool):
@@ -144,20 +142,20 @@ class _Tiler:
         return not bool(tile.any()) if tile.dtype == torch.bool else bool(torch.isneginf(tile).all())
 
     def scores(self, qc_i: Tensor, k_j: Tensor, tile: Tensor | None, i0: int, j0: int, shift: Tensor | None):
-        """``qc_i (N, R, E)`` (already times ``scale * log2 e``), ``k_j (N, C, E)`` -> ``(N, R, C)``.
+        """``qc_i (BH, R, D)`` (already times ``scale * log2 e``), ``k_j (BH, St, D)`` -> ``(BH, R, St)``.
 
-        ``shift (N, R)`` is subtracted inside the matrix product (``baddbmm``), saving a pass.
+        ``shift (BH, R)`` is subtracted inside the matrix product (``baddbmm``), saving a pass.
         """
         s = self.buffer("s", (qc_i.shape[0], qc_i.shape[1], k_j.shape[1]), qc_i)
         if shift is None:
-            torch.bmm(qc_i, k_j.transpose(1, 2), out=s)  # (N, R, E) @ (N, E, C) -> (N, R, C)
+            torch.bmm(qc_i, k_j.transpose(1, 2), out=s)  # (BH, R, D) @ (BH, D, St) -> (BH, R, St)
         else:
             torch.baddbmm(shift.unsqueeze(-1).neg(), qc_i, k_j.transpose(1, 2), out=s)
         lt, c = qc_i.shape[1] // self.groups, k_j.shape[1]
-        s5 = s.view(*self.lead, lt, self.groups, c)  # (*batch, Hkv, Lt, G, C)
+        s5 = s.view(*self.lead, lt, self.groups, c)  # (*batch, Hkv, Lt, G, St)
         if self.is_causal and j0 + c - 1 > i0:  # the tile reaches above the diagonal
             keys = torch.arange(j0, j0 + c, device=s.device)
-            above = keys > torch.arange(i0, i0 + lt, device=s.device)[:, None]  # (Lt, C)
+            above = keys > torch.arange(i0, i0 + lt, device=s.device)[:, None]  # (Lt, St)
             s5.masked_fill_(above.unsqueeze(1), -math.inf)
         if tile is not None and tile.dtype == torch.bool:
             s5.masked_fill_(tile.logical_not(), -math.inf)
@@ -178,32 +176,32 @@ def _blocks(block_size: int | tuple[int, int] | None) -> tuple[int, int]:
 def _forward(q, k, v, tiler: _Tiler, scale: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
     """Online softmax over key tiles (formulae in :func:`tiled_attention`).
 
-    Returns ``out (N, L*G, Ev)`` and the base-2 log-sum-exp ``lse2 (N, L*G)``, ``+inf`` for rows that
+    Returns ``out (BH, L*G, Dv)`` and the base-2 log-sum-exp ``lse2 (BH, L*G)``, ``+inf`` for rows that
     may attend nothing (so the backward's ``P = 2^(z - lse2)`` is exactly 0 there).
     """
-    N, _, E = q.shape
-    G, L, S, Ev = tiler.groups, q.shape[1] // tiler.groups, k.shape[1], v.shape[-1]
-    qc = q * (scale * LOG2E)  # (N, L*G, E)
-    out, lse2 = q.new_empty(N, L * G, Ev), q.new_empty(N, L * G)
+    BH, _, D = q.shape
+    G, L, S, Dv = tiler.groups, q.shape[1] // tiler.groups, k.shape[1], v.shape[-1]
+    qc = q * (scale * LOG2E)  # (BH, L*G, D)
+    out, lse2 = q.new_empty(BH, L * G, Dv), q.new_empty(BH, L * G)
     lowest = torch.finfo(q.dtype).min
     for i0 in range(0, L, bq):
         i1 = min(i0 + bq, L)
         rows = slice(i0 * G, i1 * G)
-        m = q.new_full((N, (i1 - i0) * G), -math.inf)
-        l = q.new_zeros(N, (i1 - i0) * G)
-        acc = q.new_zeros(N, (i1 - i0) * G, Ev)
+        m = q.new_full((BH, (i1 - i0) * G), -math.inf)
+        l = q.new_zeros(BH, (i1 - i0) * G)
+        acc = q.new_zeros(BH, (i1 - i0) * G, Dv)
         for j0 in range(0, tiler.key_end(i1, S), bk):
             j1 = min(j0 + bk, S)
             tile = tiler.mask_tile(i0, i1, j0, j1)
             if tiler.is_empty(tile):
                 continue
-            s = tiler.scores(qc[:, rows], k[:, j0:j1], tile, i0, j0, None)  # (N, R, C)
-            m_new = torch.maximum(m, s.amax(dim=-1))  # (N, R)
+            s = tiler.scores(qc[:, rows], k[:, j0:j1], tile, i0, j0, None)  # (BH, R, St)
+            m_new = torch.maximum(m, s.amax(dim=-1))  # (BH, R)
             m_use = m_new.clamp(min=lowest)  # finite even for rows with nothing allowed yet
             p = s.sub_(m_use.unsqueeze(-1)).exp2_()  # 2^(z' - m'), in place
             alpha = torch.exp2(m - m_use)  # 2^(m - m'); 0 when m = -inf
             l.mul_(alpha).add_(p.sum(dim=-1))
-            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, v[:, j0:j1])  # (N, R, C) @ (N, C, Ev)
+            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, v[:, j0:j1])  # (BH, R, St) @ (BH, St, Dv)
             m = m_new
         seen = l > 0
         l = torch.where(seen, l, 1.0)
@@ -220,7 +218,7 @@ def _backward(q, k, v, out, lse2, dout, tiler: _Tiler, scale: float, bq: int, bk
     """
     G, L, S = tiler.groups, q.shape[1] // tiler.groups, k.shape[1]
     qc = q * (scale * LOG2E)
-    D = (dout * out).sum(dim=-1)  # (N, L*G)
+    delta = (dout * out).sum(dim=-1)  # rowsum(dO * O), (BH, L*G)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dmask = torch.zeros_like(tiler.mask) if mask_grad else None
     for j0 in range(0, S, bk):
@@ -233,16 +231,16 @@ def _backward(q, k, v, out, lse2, dout, tiler: _Tiler, scale: float, bq: int, bk
             tile = tiler.mask_tile(i0, i1, j0, j1)
             if tiler.is_empty(tile):
                 continue
-            p = tiler.scores(qc[:, rows], k_j, tile, i0, j0, lse2[:, rows]).exp2_()  # P tile (N, R, C)
-            dv_j.baddbmm_(p.transpose(1, 2), dout[:, rows])  # (N, C, R) @ (N, R, Ev)
+            p = tiler.scores(qc[:, rows], k_j, tile, i0, j0, lse2[:, rows]).exp2_()  # P tile (BH, R, St)
+            dv_j.baddbmm_(p.transpose(1, 2), dout[:, rows])  # (BH, St, R) @ (BH, R, Dv)
             ds = tiler.buffer("ds", p.shape, p)
-            torch.baddbmm(D[:, rows].unsqueeze(-1).neg(), dout[:, rows], v_j.transpose(1, 2), out=ds)
-            ds.mul_(p)  # dZ = P * (dP - D), (N, R, C)
+            torch.baddbmm(delta[:, rows].unsqueeze(-1).neg(), dout[:, rows], v_j.transpose(1, 2), out=ds)
+            ds.mul_(p)  # dZ = P * (dP - delta), (BH, R, St)
             if dmask is not None:
                 dm = _tile(dmask, i0, i1, j0, j1)
                 dm.add_(ds.view(*tiler.lead, i1 - i0, G, j1 - j0).sum_to_size(dm.shape))
-            dq[:, rows].baddbmm_(ds, k_j, alpha=scale)  # (N, R, C) @ (N, C, E)
-            dk_j.baddbmm_(ds.transpose(1, 2), q[:, rows], alpha=scale)  # (N, C, R) @ (N, R, E)
+            dq[:, rows].baddbmm_(ds, k_j, alpha=scale)  # (BH, R, St) @ (BH, St, D)
+            dk_j.baddbmm_(ds.transpose(1, 2), q[:, rows], alpha=scale)  # (BH, St, R) @ (BH, R, D)
     return dq, dk, dv, dmask
 
 
@@ -279,16 +277,16 @@ def tiled_attention(
     """``softmax(Q K^T * scale + mask) V`` computed tile by tile (Dao 2023, FlashAttention-2, Alg. 1-2).
 
     Args (the semantics of ``torch.nn.functional.scaled_dot_product_attention``):
-        query ``(..., H, L, E)``, key ``(..., Hkv, S, E)``, value ``(..., Hkv, S, Ev)`` -> ``(..., H, L, Ev)``;
+        query ``(..., H, L, D)``, key ``(..., Hkv, S, D)``, value ``(..., Hkv, S, Dv)`` -> ``(..., H, L, Dv)``;
             leading dims broadcast; ``H`` a multiple of ``Hkv`` is grouped-query attention (query head
             ``h`` uses key/value head ``h // (H / Hkv)``): key and value are shared, not copied (the
-            query rows are reordered once, O(L * E)).
+            query rows are reordered once, O(L * D)).
         attn_mask: bool (True = may attend) or float (added to the scores), broadcastable to
             ``(..., H, L, S)``; sliced tile by tile, never expanded. A float mask that requires grad
             receives one (reduced to its own shape).
         is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned); tiles above the diagonal are
             skipped. Combined with ``attn_mask``, both apply.
-        scale: defaults to ``1 / sqrt(E)``.
+        scale: defaults to ``1 / sqrt(D)``.
         block_size: positions per tile, an int for both or ``(query, key)``; default ``DEFAULT_BLOCK``.
 
     Forward, per query row, with scores in base 2, ``z_j = log2(e) * (q.k_j * scale + mask_j)``: after
@@ -302,16 +300,16 @@ def tiled_attention(
     and at the end ``out = acc / l``, ``lse2 = m + log2 l``. Every exponent is <= 0, so nothing
     overflows, even for scores near 1e4; a row with no allowed key keeps ``l = 0`` and returns 0.
     Only ``out`` and ``lse2`` are kept for the backward, which recomputes ``P = 2^(z - lse2)`` tile by
-    tile and, with ``D = rowsum(dO * out)`` (equal to ``rowsum(P * dP)``), forms::
+    tile and, with ``delta = rowsum(dO * out)`` (equal to ``rowsum(P * dP)``), forms::
 
-        dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - D),   dQ = scale * dZ K,   dK = scale * dZ^T Q
+        dV = P^T dO,   dP = dO V^T,   dZ = P * (dP - delta),   dQ = scale * dZ K,   dK = scale * dZ^T Q
 
     (and ``d(float mask) = dZ`` summed over the mask's broadcast dims).
     Statistics and accumulators are float32 (float64 for float64 inputs); the result has the input dtype.
-    Memory beyond inputs and outputs: O((L + S) * E + block_q * block_k) per problem, never O(L * S).
+    Memory beyond inputs and outputs: O((L + S) * D + block_q * block_k) per problem, never O(L * S).
     """
     layout = _Layout(query, key, value, attn_mask)
-    scale = 1.0 / math.sqrt(layout.E) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(layout.D) if scale is None else float(scale)
     bq, bk = _blocks(block_size)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     q, k, v, mask = layout.canonical()

@@ -1,15 +1,14 @@
 """Exact attention as Triton kernels: FlashAttention-2 forward and backward (Dao 2023, Alg. 1-2).
 
-Shape legend: B batch, H query heads, Hkv key/value heads (G = H / Hkv query heads share one), L query
-length, S key length, E query/key head dim, Ev value head dim; BLOCK_M query rows and BLOCK_N keys per
-tile, BLOCK_E / BLOCK_EV the head dims rounded up to a power of two (>= 16, as ``tl.dot`` needs).
+Shapes: B, H, Hkv, G, L, S, D, Dv; BLOCK_M query rows and BLOCK_N keys per tile, BLOCK_D / BLOCK_DV the head
+dims rounded up to a power of two (>= 16, as ``tl.dot`` needs) (the package legend, :mod:`tformer`).
 
 The math is that of :mod:`tformer.attention.tiled` (same mask convention, same base-2 online softmax):
 one program owns BLOCK_M query rows of one head and walks the key tiles keeping ``m``, ``l``, ``acc``
 in float32 registers; it stores ``out = acc / l`` and ``lse2 = m + log2 l`` (``+inf`` for a row that
 may attend nothing). The backward recomputes ``P = 2^(z - lse2)`` tile by tile in two kernels, one
 over key tiles (dK, dV: each program sums over the G query heads of its key/value head, so no atomics)
-and one over query tiles (dQ), with ``D = rowsum(dO * O)`` computed once in PyTorch.
+and one over query tiles (dQ), with ``delta = rowsum(dO * O)`` computed once in PyTorch.
 
 Tiles: on CUDA, unless the caller fixes them, ``triton.autotune`` times a few (BLOCK_M, BLOCK_N, warps,
 pipeline stages) configurations per kernel on the first call for each shape, dtype and mask kind, and keeps
@@ -98,19 +97,19 @@ _TILES = {
     "_bwd_dq_kernel": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
     "_bwd_dkdv_kernel": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)],
 }
-_TUNE_KEY = ["L", "S", "E", "EV", "GROUPS", "MASK_KIND", "IS_CAUSAL"]  # triton adds the tensors' dtypes
+_TUNE_KEY = ["L", "S", "D", "Dv", "GROUPS", "MASK_KIND", "IS_CAUSAL"]  # triton adds the tensors' dtypes
 
 
 def _prune_wide_heads(configs, named_args, **kwargs):
     """Head dims over 128: only tiles of at most 64 x 32 (accumulators 256 columns wide fill the registers,
     and larger tiles the shared memory)."""
-    if max(named_args["E"], named_args["EV"]) <= 128:
+    if max(named_args["D"], named_args["Dv"]) <= 128:
         return configs
     return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32]
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernels. q, k, v, out, dout are contiguous (B, H|Hkv, L|S, E|Ev); lse2 and delta are (B, H, L).
+# Kernels. q, k, v, out, dout are contiguous (B, H|Hkv, L|S, D|Dv); lse2 and delta are (B, H, L).
 # --------------------------------------------------------------------------------------------------
 def _load_tile(ptr, first_row, rows, n_rows, dims, n_dims):
     """Rows ``first_row + rows`` (those < n_rows) of a row-major matrix with n_dims columns; 0-padded."""
@@ -174,16 +173,16 @@ def _fwd_kernel(
     H,
     L,
     S,
-    E,
-    EV,
+    D,
+    Dv,
     qk_scale,
     GROUPS: tl.constexpr,
     MASK_KIND: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_EV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of head h, online softmax over the key tiles."""
@@ -191,17 +190,17 @@ def _fwd_kernel(
     b, h = bh // H, bh % H
     bhk = b * (H // GROUPS) + h // GROUPS  # the key/value head of query head h
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims, vdims, offs_n = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_EV), tl.arange(0, BLOCK_N)
-    q = _load_tile(Q, bh * L, rows, L, dims, E)  # (BLOCK_M, BLOCK_E)
+    dims, vdims, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
+    q = _load_tile(Q, bh * L, rows, L, dims, D)  # (BLOCK_M, BLOCK_D)
     m = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_EV], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     hi = S
     if IS_CAUSAL:  # keys j <= i < (pid_m + 1) * BLOCK_M; the last tile walked may cross it (masked in it),
         hi = tl.minimum(S, (pid_m + 1) * BLOCK_M)  # so any BLOCK_N works with any BLOCK_M
     for j0 in range(0, hi, BLOCK_N):
         cols = j0 + offs_n
-        k = _load_tile(K, bhk * S, cols, S, dims, E)  # (BLOCK_N, BLOCK_E)
+        k = _load_tile(K, bhk * S, cols, S, dims, D)  # (BLOCK_N, BLOCK_D)
         z = _score_tile(
             q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale, MASK_KIND, IS_CAUSAL, PRECISION
         )
@@ -210,11 +209,11 @@ def _fwd_kernel(
         p = tl.exp2(z - m_use[:, None])
         alpha = tl.exp2(m - m_use)  # rescale of the old state: 2^(m - m')
         l = l * alpha + tl.sum(p, 1)
-        v = _load_tile(V, bhk * S, cols, S, vdims, EV)  # (BLOCK_N, BLOCK_EV)
+        v = _load_tile(V, bhk * S, cols, S, vdims, Dv)  # (BLOCK_N, BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     seen = l > 0
-    _store_tile(Out, acc / tl.where(seen, l, 1.0)[:, None], bh * L, rows, L, vdims, EV)
+    _store_tile(Out, acc / tl.where(seen, l, 1.0)[:, None], bh * L, rows, L, vdims, Dv)
     lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("inf"))  # +inf: P = 0 in the backward
     tl.store(Lse + bh * L + rows, lse2, mask=rows < L)
 
@@ -224,10 +223,10 @@ def _bwd_dq_kernel(
     K,
     V,
     Mask,
-    DO,
+    GradOut,
     Lse,
     Delta,
-    DQ,
+    GradQ,
     smb,
     smh,
     sml,
@@ -235,8 +234,8 @@ def _bwd_dq_kernel(
     H,
     L,
     S,
-    E,
-    EV,
+    D,
+    Dv,
     qk_scale,
     sm_scale,
     GROUPS: tl.constexpr,
@@ -244,35 +243,35 @@ def _bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_EV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """dQ_i = scale * sum_j dZ_ij K_j  with  dZ = P * (dO V^T - D),  P = 2^(z - lse2)."""
+    """dQ_i = scale * sum_j dZ_ij K_j  with  dZ = P * (dO V^T - delta),  P = 2^(z - lse2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     bhk = b * (H // GROUPS) + h // GROUPS
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims, vdims, offs_n = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_EV), tl.arange(0, BLOCK_N)
-    q = _load_tile(Q, bh * L, rows, L, dims, E)
-    do = _load_tile(DO, bh * L, rows, L, vdims, EV)
+    dims, vdims, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
+    q = _load_tile(Q, bh * L, rows, L, dims, D)
+    do = _load_tile(GradOut, bh * L, rows, L, vdims, Dv)
     lse = tl.load(Lse + bh * L + rows, mask=rows < L, other=float("inf"))  # +inf: P = 0
     delta = tl.load(Delta + bh * L + rows, mask=rows < L, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = S
     if IS_CAUSAL:
         hi = tl.minimum(S, (pid_m + 1) * BLOCK_M)
     for j0 in range(0, hi, BLOCK_N):
         cols = j0 + offs_n
-        k = _load_tile(K, bhk * S, cols, S, dims, E)
-        v = _load_tile(V, bhk * S, cols, S, vdims, EV)
+        k = _load_tile(K, bhk * S, cols, S, dims, D)
+        v = _load_tile(V, bhk * S, cols, S, vdims, Dv)
         z = _score_tile(
             q, k, rows, cols, b, h, Mask, smb, smh, sml, sms, L, S, qk_scale, MASK_KIND, IS_CAUSAL, PRECISION
         )
         p = tl.exp2(z - lse[:, None])
         dz = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
-    _store_tile(DQ, dq * sm_scale, bh * L, rows, L, dims, E)
+    _store_tile(GradQ, dq * sm_scale, bh * L, rows, L, dims, D)
 
 
 def _bwd_dkdv_kernel(
@@ -280,11 +279,11 @@ def _bwd_dkdv_kernel(
     K,
     V,
     Mask,
-    DO,
+    GradOut,
     Lse,
     Delta,
-    DK,
-    DV,
+    GradK,
+    GradV,
     smb,
     smh,
     sml,
@@ -292,8 +291,8 @@ def _bwd_dkdv_kernel(
     H,
     L,
     S,
-    E,
-    EV,
+    D,
+    Dv,
     qk_scale,
     sm_scale,
     GROUPS: tl.constexpr,
@@ -301,19 +300,19 @@ def _bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_EV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """dV_j = sum_i P_ij^T dO_i,  dK_j = scale * sum_i dZ_ij^T Q_i, over the G heads sharing head hk."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)  # key tile; b * Hkv + hk
     b, hk = bhk // (H // GROUPS), bhk % (H // GROUPS)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims, vdims, offs_m = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_EV), tl.arange(0, BLOCK_M)
-    k = _load_tile(K, bhk * S, cols, S, dims, E)
-    v = _load_tile(V, bhk * S, cols, S, vdims, EV)
-    dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_EV], tl.float32)
+    dims, vdims, offs_m = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_M)
+    k = _load_tile(K, bhk * S, cols, S, dims, D)
+    v = _load_tile(V, bhk * S, cols, S, vdims, Dv)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo = 0
     if IS_CAUSAL:  # rows i >= j >= pid_n * BLOCK_N: start at the query tile holding that row (any BLOCK_M)
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
@@ -322,8 +321,8 @@ def _bwd_dkdv_kernel(
         bh = b * H + h
         for i0 in range(lo, L, BLOCK_M):
             rows = i0 + offs_m
-            q = _load_tile(Q, bh * L, rows, L, dims, E)
-            do = _load_tile(DO, bh * L, rows, L, vdims, EV)
+            q = _load_tile(Q, bh * L, rows, L, dims, D)
+            do = _load_tile(GradOut, bh * L, rows, L, vdims, Dv)
             lse = tl.load(Lse + bh * L + rows, mask=rows < L, other=float("inf"))
             delta = tl.load(Delta + bh * L + rows, mask=rows < L, other=0.0)
             z = _score_tile(
@@ -333,8 +332,8 @@ def _bwd_dkdv_kernel(
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dz = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
             dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
-    _store_tile(DK, dk * sm_scale, bhk * S, cols, S, dims, E)
-    _store_tile(DV, dv, bhk * S, cols, S, vdims, EV)
+    _store_tile(GradK, dk * sm_scale, bhk * S, cols, S, dims, D)
+    _store_tile(GradV, dv, bhk * S, cols, S, vdims, Dv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,8 +404,8 @@ def _blocks(block_size: int | tuple[int, int] | None, q: Tensor, k: Tensor) -> t
 
 
 def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool):
-    B, H, L, E = q.shape
-    S, EV = k.shape[2], v.shape[-1]
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
     if mask is None:
         mask_arg, strides, kind = q, (0, 0, 0, 0), MASK_NONE  # dummy pointer, never read
     else:
@@ -414,15 +413,10 @@ def _launch_config(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_caus
         strides, kind = mask_arg.stride(), MASK_FLOAT
         if mask.dtype == torch.bool:
             mask_arg, kind = mask_arg.view(torch.uint8), MASK_BOOL
-    meta = dict(
-        GROUPS=H // k.shape[1],
-        MASK_KIND=kind,
-        IS_CAUSAL=is_causal,
-        BLOCK_E=max(16, triton.next_power_of_2(E)),
-        BLOCK_EV=max(16, triton.next_power_of_2(EV)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
-    return mask_arg, strides, (H, L, S, E, EV), meta
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    meta = dict(GROUPS=H // k.shape[1], MASK_KIND=kind, IS_CAUSAL=is_causal, PRECISION=precision)
+    meta.update(BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)))
+    return mask_arg, strides, (H, L, S, D, Dv), meta
 
 
 def _launch(name: str, programs: tuple[int, str, int], args: tuple, meta: dict, block: tuple[int, int] | None):
@@ -462,7 +456,7 @@ class _TritonAttention(torch.autograd.Function):
         is_causal, scale, block = ctx.args
         mask_arg, strides, dims, meta = _launch_config(q, k, v, mask, is_causal)
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(dim=-1)  # D = rowsum(dO * O), (B, H, L)
+        delta = (dout.float() * out.float()).sum(dim=-1)  # rowsum(dO * O), (B, H, L)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         B, H, L, _ = q.shape
         inputs, rest = (q, k, v, mask_arg, dout, lse2, delta), (*strides, *dims, scale * LOG2E, scale)
@@ -484,7 +478,7 @@ def triton_attention(
     """``softmax(Q K^T * scale + mask) V`` with Triton FlashAttention-2 kernels; same semantics as
     :func:`tformer.attention.tiled.tiled_attention` on the inputs :func:`triton_supports` accepts.
 
-    query ``(B, H, L, E)``, key ``(B, Hkv, S, E)``, value ``(B, Hkv, S, Ev)`` -> ``(B, H, L, Ev)``
+    query ``(B, H, L, D)``, key ``(B, Hkv, S, D)``, value ``(B, Hkv, S, Dv)`` -> ``(B, H, L, Dv)``
     (2-D and 3-D inputs get leading dims of 1). ``block_size``: query rows and keys per program tile, an
     int for both or ``(query rows, keys)``, powers of two >= 16; default: autotuned on CUDA when L and S are
     both >= ``AUTOTUNE_MIN_LENGTH`` (each kernel times its configurations once per new L, S, head dims,

@@ -1,6 +1,6 @@
 """Shared pieces of the experiments: result tables, power-law fits, figures, and a layer's attention weights.
 
-Shape legend: B batch, H heads, T query length, S key length, C d_model, D head dim.
+Shapes: B, H, Hkv, T, S, C, D (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

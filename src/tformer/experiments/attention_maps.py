@@ -11,7 +11,10 @@ the weights are recomputed from the layer's own projections with :func:`tformer.
 held-out sources of length S, decoder position i (reading ``BOS y_1 .. y_i``) predicts ``y_{i+1} = x_{S-1-i}``, so a
 cross-attention that has learned the task puts its mass on the anti-diagonal ``(i, S-1-i)``: the fraction of mass there
 is the figure, averaged over the held-out sources of length S (never trained on). The decoder self-attention's mass on
-future positions must be exactly 0."""
+future positions must be exactly 0.
+
+Shapes: B, T, S, C, H (the package legend, :mod:`tformer`).
+"""
 
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ under ``no_grad``, as n doubles:
 
 The exponents are least-squares slopes of ``log cost`` against ``log n``. Tiling saves memory, not arithmetic:
 every exact backend's time still grows as n^2.
+
+Shapes: B, H, D (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ matrices of the 2017 paper and of Xiong et al. (2020, "On Layer Normalization in
 2. Training a small byte-level LM on the source text of Python's ``argparse`` module with :func:`tformer.train`
    (Adam, a constant learning rate, with or without a linear warmup) for both placements: the loss curves, as they
    come.
+
+Shapes: B, T, V (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

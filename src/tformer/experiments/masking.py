@@ -10,6 +10,8 @@ largest change of the outputs at positions t < p, over all p (0 means position t
 library's own causal paths (``scaled_dot_product_attention(is_causal=True)`` on each backend and
 ``MultiHeadAttention``) are measured the same way. A third variant, zeroing after the softmax and then
 renormalising, shows that the leak is the denominator: the rows sum to 1 again and the leak falls to rounding.
+
+Shapes: T, C, D (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations
@@ -110,12 +112,12 @@ class MaskingResult:
 
 
 def causal_self_attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, mask: str = BEFORE) -> tuple[Tensor, Tensor]:
-    """The source's causal self-attention of ``x (T, C)``: output ``(T, E)`` and weights ``(T, T)``.
+    """The source's causal self-attention of ``x (T, C)``: output ``(T, D)`` and weights ``(T, T)``.
 
     ``mask``: ``BEFORE`` sets future scores to ``-inf`` before the softmax (tformer's convention); ``AFTER``
     takes the softmax over all positions and zeroes the future weights; ``RENORM`` also divides each row by its sum.
     """
-    q, k, v = x @ wq, x @ wk, x @ wv  # (T, C) @ (C, E) -> (T, E)
+    q, k, v = x @ wq, x @ wk, x @ wv  # (T, C) @ (C, D) -> (T, D)
     T = x.shape[0]
     if mask == BEFORE:
         weights = attention_weights(q, k, is_causal=True)  # (T, T)
@@ -125,13 +127,13 @@ def causal_self_attention(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, mask: s
             weights = weights / weights.sum(-1, keepdim=True)
     else:
         raise ValueError(f"unknown mask placement {mask!r}; choose one of {BEFORE!r}, {AFTER!r}, {RENORM!r}")
-    return weights @ v, weights  # (T, T) @ (T, E) -> (T, E)
+    return weights @ v, weights  # (T, T) @ (T, D) -> (T, D)
 
 
 def leakage(f: Callable[[Tensor], Tensor], x: Tensor, gen: torch.Generator) -> list[float]:
     """Per position t: the largest ``|f(x')[t] - f(x)[t]|`` when one token ``p > t`` of ``x (T, C)`` is replaced."""
     T = x.shape[0]
-    base = f(x)  # (T, E)
+    base = f(x)  # (T, D)
     per_t = [0.0] * T
     for p in range(1, T):
         changed = x.clone()

@@ -6,6 +6,8 @@ independent of h because h d_k = d_model cancels the h dependence."
 
 Measured: the parameters of :class:`tformer.MultiHeadAttention` counted tensor by tensor (on the ``meta``
 device: shapes only, no memory), for several d_model and every power-of-two head count up to d_model.
+
+Shapes: C (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ Measured:
    scores ``S[m, n] = RoPE(q, m) . RoPE(k, n)``; the largest spread (max - min) along any diagonal n - m = const
    (0 if the claim holds), for both pair layouts. For contrast, the same spread when the sinusoidal code is added
    to q and k (absolute positions), which the claim does not cover.
+
+Shapes: T, C, D (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def rotation_error(pe: Tensor, offset: int, base: float = BASE) -> float:
     omega = base ** (-torch.arange(0, d - 1, 2, dtype=torch.float64) / d)  # (d/2,)
     c = torch.cos(omega * offset).to(pe.dtype)
     s = torch.sin(omega * offset).to(pe.dtype)
-    sin, cos = pe[: num_positions - offset, 0::2], pe[: num_positions - offset, 1::2]  # (P-k, d/2) each
+    sin, cos = pe[: num_positions - offset, 0::2], pe[: num_positions - offset, 1::2]  # (T - offset, C/2) each
     predicted_sin = c * sin + s * cos  # first row of M_k
     predicted_cos = -s * sin + c * cos  # second row of M_k
     target = pe[offset:]
@@ -132,16 +134,16 @@ def rotation_error(pe: Tensor, offset: int, base: float = BASE) -> float:
 
 
 def diagonal_spread(scores: Tensor) -> float:
-    """Largest ``max - min`` of ``scores (M, M)`` along any diagonal ``n - m = const``."""
-    M = scores.shape[0]
-    return max(float(d.max() - d.min()) for d in (torch.diagonal(scores, offset) for offset in range(-M + 1, M)))
+    """Largest ``max - min`` of ``scores (T, T)`` along any diagonal ``n - m = const``."""
+    T = scores.shape[0]
+    return max(float(d.max() - d.min()) for d in (torch.diagonal(scores, offset) for offset in range(-T + 1, T)))
 
 
 def rope_scores(q: Tensor, k: Tensor, num_positions: int, interleaved: bool) -> Tensor:
-    """``S[m, n] = RoPE(q, m) . RoPE(k, n)`` for one query and one key vector ``(D,)``; shape ``(M, M)``."""
-    qs = apply_rotary(q.expand(num_positions, -1), 0, BASE, interleaved)  # (M, D): row m rotated by m theta
-    ks = apply_rotary(k.expand(num_positions, -1), 0, BASE, interleaved)  # (M, D)
-    return qs @ ks.T  # (M, D) @ (D, M) -> (M, M)
+    """``S[m, n] = RoPE(q, m) . RoPE(k, n)`` for one query and one key vector ``(D,)``; shape ``(T, T)``."""
+    qs = apply_rotary(q.expand(num_positions, -1), 0, BASE, interleaved)  # (T, D): row m rotated by m theta
+    ks = apply_rotary(k.expand(num_positions, -1), 0, BASE, interleaved)  # (T, D)
+    return qs @ ks.T  # (T, D) @ (D, T) -> (T, T)
 
 
 def run(
@@ -166,8 +168,8 @@ def run(
         name: diagonal_spread(rope_scores(q.float(), k.float(), rope_positions, il)) for name, il in layouts.items()
     }
     scores = rope_scores(q, k, rope_positions, True)
-    pe = sinusoidal_positional_encoding(rope_positions, rope_dim, BASE, dtype=torch.float64)  # (M, D)
-    absolute = (q + pe) @ (k + pe).T  # (M, D) @ (D, M) -> (M, M)
+    pe = sinusoidal_positional_encoding(rope_positions, rope_dim, BASE, dtype=torch.float64)  # (T, D)
+    absolute = (q + pe) @ (k + pe).T  # (T, D) @ (D, T) -> (T, T)
     return PositionsResult(
         num_positions=num_positions,
         d_model=d_model,

@@ -12,6 +12,8 @@ Measured, two ways:
 2. An untrained :class:`tformer.MultiHeadAttention` (PyTorch's default init) on N(0, 1) inputs (the scale
    after a LayerNorm): the entropy of its attention rows with the layer's ``1/sqrt(d_k)`` and without it
    (``scale=1.0``), as ``d_k`` grows. Uniform attention over T keys has entropy ``log T``; saturated, 0.
+
+Shapes: B, T, L, S, C, H, D, Dv (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations
@@ -183,10 +185,10 @@ def _logit_sweep(
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Measured logit std, mean ||J||_F, mean ||dL/dZ|| and mean max weight for each target logit std."""
     d = SWEEP_HEAD_DIM
-    q = torch.randn(num_rows, d, generator=gen, dtype=torch.float64)  # (L, E)
-    k = torch.randn(num_keys, d, generator=gen, dtype=torch.float64)  # (S, E)
-    v = torch.randn(num_keys, d, generator=gen, dtype=torch.float64)  # (S, Ev)
-    upstream = torch.randn(num_rows, d, generator=gen, dtype=torch.float64)  # G = dL/d(out), (L, Ev)
+    q = torch.randn(num_rows, d, generator=gen, dtype=torch.float64)  # (L, D)
+    k = torch.randn(num_keys, d, generator=gen, dtype=torch.float64)  # (S, D)
+    v = torch.randn(num_keys, d, generator=gen, dtype=torch.float64)  # (S, Dv)
+    upstream = torch.randn(num_rows, d, generator=gen, dtype=torch.float64)  # dL/d(out), (L, Dv)
     measured, jac, grad, top = [], [], [], []
     for sigma in sigmas:
         z = attention_scores(q, k, scale=sigma / math.sqrt(d)).requires_grad_()  # (L, S), std ~ sigma

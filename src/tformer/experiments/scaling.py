@@ -6,6 +6,8 @@ divide by standard deviation sqrt(d_k), not d_k (which would over-shrink to vari
 Measured: q, k with iid N(0, 1) entries; the logits ``Z = Q K^T * scale`` from
 :func:`tformer.functional.attention_scores` with scale ``1``, ``1/sqrt(d_k)`` and ``1/d_k``; the variance
 of Z's entries for each d_k, and the slope of ``log Var`` against ``log d_k`` (claimed: 1, 0, -1).
+
+Shapes: L, S, D (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations
@@ -91,8 +93,8 @@ def run(
     gen = torch.Generator().manual_seed(seed)
     variances: dict[str, list[float]] = {name: [] for name in SCALINGS}
     for d in dims:
-        q = torch.randn(num_queries, d, generator=gen, dtype=torch.float64)  # (L, E)
-        k = torch.randn(num_keys, d, generator=gen, dtype=torch.float64)  # (S, E)
+        q = torch.randn(num_queries, d, generator=gen, dtype=torch.float64)  # (L, D)
+        k = torch.randn(num_keys, d, generator=gen, dtype=torch.float64)  # (S, D)
         for name, (scale, _) in SCALINGS.items():
             z = attention_scores(q, k, scale=scale(d))  # (L, S)
             variances[name].append(float(z.var()))

@@ -26,7 +26,7 @@ tokens per ``W - W // 2`` steps); without it, the model is run on the same windo
 logits, and a row's window depends only on its own prompt length and step, so a left-padded batch still gives
 the tokens of one by one. Sinusoidal, rotary and no positions have no limit: the window is the whole sequence.
 
-Shape legend: B batch, P padded prompt length, N generated tokens so far, V vocabulary, W context window.
+Shapes: B, P, N, V, W (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations
@@ -209,11 +209,11 @@ class IncrementalLM:
     ) -> None:
         B, P = ids.shape
         self.model, self.use_cache, self.length = model, use_cache, P
-        self.ids = ids.new_empty(B, P + max_new_tokens)  # (B, P + N_max): prompt, then generated tokens
+        self.ids = ids.new_empty(B, P + max_new_tokens)  # (B, P + max_new_tokens): prompt, then generated tokens
         self.ids[:, :P] = ids
         self.mask = None  # stays None without padding: the decoder then needs no mask at all
         if mask is not None:
-            self.mask = mask.new_ones(B, P + max_new_tokens)  # (B, P + N_max): generated tokens are real
+            self.mask = mask.new_ones(B, P + max_new_tokens)  # (B, P + max_new_tokens): generated tokens are real
             self.mask[:, :P] = mask
         self.cache = None
         self.window = context_window(model.cfg)
@@ -229,7 +229,7 @@ class IncrementalLM:
         if self.mask is not None:  # rows with padding restart at their own steps: mask each before its start
             columns = torch.arange(self.mask.shape[1], device=self.mask.device)
             starts = torch.tensor(self.starts, device=self.mask.device)
-            self.mask &= columns[None, :] >= starts[:, None]  # (B, P + N_max)
+            self.mask &= columns[None, :] >= starts[:, None]  # (B, P + max_new_tokens)
         # without padding all rows have one start, and the model sees exactly ids[:, base:length]
 
     def _mask(self) -> Tensor | None:

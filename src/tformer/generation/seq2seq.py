@@ -11,7 +11,7 @@ Beam search keeps the ``K`` best partial hypotheses of each source. Its score is
 ``alpha = 0`` ranks by the plain log-probability (which favours short outputs); ``alpha > 0`` favours longer
 ones (GNMT used 0.6-0.7). Decoder-only sampling lives in :mod:`tformer.generation.sampling`.
 
-Shape legend: B sources, K beams, S source length, C d_model, V vocabulary.
+Shapes: B (sources), K, S, C, V (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

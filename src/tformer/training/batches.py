@@ -7,7 +7,7 @@ therefore just the next index -- saved in checkpoints, so ``--resume`` sees exac
 uninterrupted run would. A global batch is drawn whole on every process and each rank takes its own rows,
 so data-parallel training sees the same examples as one process with the same global batch.
 
-Shapes (the package legend): B batch rows, T window (block) length, S source length.
+Shapes: B, T (a window of block_size tokens), S (a source) (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ the exact match of greedy decodes on the held-out set.
 
     loss = sum of token cross-entropies / (target tokens in the global batch)   (seq2seq: label smoothing, padding
                                                                                  ignored)
+
+Shapes: B, T, V (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ kept out of training so accuracy is measured on sequences the model never saw.
 
 Tasks: ``reverse``, ``sort``, ``copy`` (sources of ``min_len..max_len`` symbols) and ``add`` (multi-digit
 addition: ``"123+45" -> "168"``; operands of ``min_len..max_len`` digits, alphabet ``0123456789+``).
+
+Shapes: B, T, S (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""The package's shape: modules stay readable in one sitting (a line budget), dependencies point one way, and every
+shape in a comment or docstring speaks the one legend of :mod:`tformer`."""
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+import tformer
+
+PACKAGE = Path(tformer.__file__).resolve().parent
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+LINE_BUDGET = 500
+# Modules allowed past the budget, and why.
+OVER_BUDGET = {
+    "claims/worker.py": "the sandbox worker runs as a script (python -I path/worker.py), so it cannot import a "
+    "sibling module: its policy, namespace, limits and audit hook live in one file",
+}
+# Dependencies point one way: a module may import its own layer and the layers below.
+LAYERS = {
+    "config": 0, "functional": 0,
+    "attention": 1,
+    "layers": 2,
+    "models": 3,
+    "generation": 4,
+    "training": 5,
+    "experiments": 6, "claims": 6,
+    "cli": 7, "__main__": 7,
+}  # fmt: skip
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def layer_of(module: str) -> str:
+    """``tformer.training.trainer`` -> ``training``; ``tformer`` itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_module_outgrows_the_line_budget_without_a_stated_reason():
+    over = {relative(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > LINE_BUDGET}
+    assert set(over) <= set(OVER_BUDGET), f"over {LINE_BUDGET} lines: {over}"
+    stale = set(OVER_BUDGET) - set(over)
+    assert not stale, f"these modules are back under the budget; drop their exception: {stale}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=relative)
+def test_imports_point_down_the_layers(path):
+    own = (
+        "cli"
+        if path.name == "__main__.py"
+        else layer_of("tformer." + relative(path).removesuffix(".py").replace("/", "."))
+    )
+    if own == "__init__.py" or relative(path) == "__init__.py":
+        return  # the package's lazy exports name every layer
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            if name == "tformer" or not name.startswith("tformer."):
+                continue
+            target = layer_of(name)
+            assert LAYERS[target] <= LAYERS[own], f"{relative(path)} ({own}) imports {name} ({target})"
+
+
+# --------------------------------------------------------------------------------------------------
+# The shape legend
+# --------------------------------------------------------------------------------------------------
+def legend() -> dict[str, str]:
+    """Symbol -> meaning, read from the package docstring's legend block."""
+    block = tformer.__doc__.split("Shapes:", 1)[1]
+    rows = [re.match(r"^    (\w+)\s{2,}(\S.*)$", line) for line in block.splitlines()]
+    return {m.group(1): m.group(2) for m in rows if m}
+
+
+def shapes_line(path: Path) -> set[str]:
+    """The symbols a module's docstring says it uses (``Shapes: B, T, C (...)``)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    match = re.search(r"Shapes: (.*?)\(the package legend", " ".join(doc.split()))
+    return set(re.findall(r"\b[A-Z]\w*", match.group(1))) if match else set()
+
+
+SHAPE_ITEM = re.compile(r"\*?\w+(?:\|\w+)?(?:\s*[-+*/]\s*\w+)*|\d+\s+\w+(?:\s*[-+*/]\s*\w+)*|\.\.\.")
+
+
+def shape_tuples(path: Path) -> list[tuple[int, str, list[str]]]:
+    """``(line, tuple, symbols)`` for every shape in a comment, or in a docstring after a name (``x (B, T, C)``)."""
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.COMMENT:
+            candidates = re.finditer(r"\(([^()]*,[^()]*)\)", tok.string)
+        elif tok.type == tokenize.STRING and tok.string.lstrip("rb").startswith('"""'):
+            candidates = re.finditer(r"``\w+ \(([^()`]*,[^()`]*)\)", tok.string)
+        else:
+            continue
+        for m in candidates:
+            items = [i.strip() for i in m.group(1).split(",")]
+            if not all(SHAPE_ITEM.fullmatch(i) for i in items):
+                continue  # prose in parentheses
+            symbols = [t for i in items for t in re.findall(r"[A-Za-z_]\w*", i) if t[0].isupper()]
+            if symbols:
+                found.append((tok.start[0], m.group(0), symbols))
+    return found
+
+
+def test_the_legend_defines_each_symbol_once():
+    text = tformer.__doc__.split("Shapes:", 1)[1]
+    symbols = re.findall(r"^    (\w+)\s{2,}", text, flags=re.M)
+    assert len(symbols) == len(set(symbols)) > 15
+    assert {"B", "T", "C", "H", "Hkv", "D", "Dv", "L", "S", "V"} <= set(symbols)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=relative)
+def test_shapes_use_the_legend_and_the_letters_the_module_names(path):
+    known = set(legend()) | {"BLOCK_DV"}  # named in BLOCK_D's line
+    named = shapes_line(path)
+    assert named <= known, f"{relative(path)}: its Shapes line names {named - known}, not in the package legend"
+    tuples = shape_tuples(path)
+    for line, shape, symbols in tuples:
+        unknown = [s for s in symbols if s not in known]
+        assert not unknown, f"{relative(path)}:{line}: {shape} uses {unknown}, not in the package legend"
+    used = {s for _, _, symbols in tuples for s in symbols}
+    if used:
+        assert named, f"{relative(path)} writes shapes ({sorted(used)}) but its docstring names no 'Shapes:'"
+        assert used <= named, f"{relative(path)}: shapes use {sorted(used - named)}, not named in its Shapes line"
