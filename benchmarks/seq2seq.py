@@ -7,7 +7,7 @@ then measured by exact match of greedy decodes (key/value cache) on the held-out
 
     python benchmarks/seq2seq.py                      # the defaults recorded in BENCHMARKS.md
     python benchmarks/seq2seq.py --steps 1000         # a quicker, weaker run
-    python benchmarks/seq2seq.py --demo               # also the `tformer demo` loop (tformer.training.demos.run_demo)
+    python benchmarks/seq2seq.py --demo               # also `tformer demo` (tformer.training.demos.run_demo)
 """
 
 from __future__ import annotations

@@ -32,11 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tformer.training.data import LMBatches, corpus_files, iter_texts, tokenize_corpus
 from torch import nn
 
 from tformer import DecoderLM, TransformerConfig, num_parameters
-from tformer.training import TrainConfig, lr_at, make_optimizer
+from tformer.training import TrainConfig
+from tformer.training.batches import LMBatches
+from tformer.training.corpus import corpus_files, iter_texts, tokenize_corpus
+from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.tokenizers import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

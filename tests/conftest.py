@@ -113,6 +113,15 @@ def corpus(tmp_path):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_flags() -> list[str]:
+    """``tformer train`` flags of the tiny runs: the TINY_MODEL sizes, 16-token windows, batches of 4."""
+    from tformer.training.config import MODEL_FLAGS
+
+    model = [word for name, value in TINY_MODEL.items() for word in (MODEL_FLAGS[name].flag, str(value))]
+    return [*model, "--block-size", "16", "--batch-size", "4"]
+
+
 @pytest.fixture
 def tiny_run(tmp_path, corpus):
     """``tiny_run(name="run", **changes)``: the TrainConfig of a seconds-long LM run on ``corpus`` into

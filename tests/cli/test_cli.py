@@ -20,8 +20,6 @@ from tformer.cli import main
 from tformer.training import TrainConfig, TrainingError, run_lock, train
 from tformer.training.demos import DemoResult
 
-TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--d-ff", "64", "--block-size", "16", "--batch-size", "4"]
-
 
 @pytest.fixture
 def no_training(monkeypatch):
@@ -74,11 +72,11 @@ def test_train_out_that_is_a_file(tmp_path, capsys):
     assert _error_line(capsys) == f"tformer train: error: --out {tmp_path / 'x.py'} is a file; give a directory"
 
 
-def test_train_into_a_locked_out_exits_1(tmp_path, capsys):
+def test_train_into_a_locked_out_exits_1(tiny_flags, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("abc\n" * 200)
     with run_lock(tmp_path / "run"):
-        code = main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), *TINY, "--no-progress"])
+        code = main(["train", "--out", str(tmp_path / "run"), "--data", str(corpus), *tiny_flags, "--no-progress"])
     assert code == 1
     assert "another tformer run is writing to" in _error_line(capsys)
 
@@ -192,10 +190,10 @@ def test_help_is_plain_and_complete(capsys):
     assert "sequences per step (default 64)" in text and "(default 2e-3)" in text and "(default 0)" in text
 
 
-def test_triton_backend_off_cuda_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+def test_triton_backend_off_cuda_is_a_one_line_error(tiny_flags, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["train", "--out", str(tmp_path / "run"), "--attn-backend", "triton", *TINY]) == 2
+    assert main(["train", "--out", str(tmp_path / "run"), "--attn-backend", "triton", *tiny_flags]) == 2
     assert _error_line(capsys) == (
         "tformer train: error: attn_backend 'triton' (--attn-backend triton) runs on CUDA GPUs, and this run is "
         "on cpu; use --attn-backend auto (or sdpa, tiled)"
@@ -220,10 +218,10 @@ def test_pairs_that_is_a_folder_says_so(tmp_path, capsys):
     )
 
 
-def test_train_on_a_folder_without_text_leaves_no_out(tmp_path, capsys):
+def test_train_on_a_folder_without_text_leaves_no_out(tiny_flags, tmp_path, capsys):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0")
-    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "data"), *TINY]) == 2
+    assert main(["train", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "data"), *tiny_flags]) == 2
     assert "holds no text files" in _error_line(capsys)
     assert not (tmp_path / "run").exists()
 

@@ -192,6 +192,36 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def _write_files(
+    tmp: Path, model: nn.Module, tokenizer: Tokenizer, kind: Kind, trainer_state: dict[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """The weights, the tokenizer and the trainer state, each fsync'ed; returns the manifest's ``files``."""
+    _save_weights(model_state_dict(model), tmp / WEIGHTS, metadata={"format": "pt", "kind": kind})
+    (tmp / TOKENIZER_FILE).write_text(json.dumps(tokenizer.to_dict(), ensure_ascii=False), encoding="utf-8")
+    names = [WEIGHTS, TOKENIZER_FILE]
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / STATE)
+        names.append(STATE)
+    files = {}
+    for name in names:
+        _fsync_file(tmp / name)
+        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+    return files
+
+
+def _swap_in(tmp: Path, final: Path) -> Path:
+    """Rename the complete ``tmp`` to ``final`` (one atomic rename; the same step saved again is moved aside)."""
+    if final.exists():
+        old = final.parent / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(final.parent)
+    return final
+
+
 def save_checkpoint(
     out: str | os.PathLike,
     *,
@@ -209,26 +239,16 @@ def save_checkpoint(
     model_class(kind)  # validates kind
     root = Path(out) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
-    config = unwrap(model).cfg
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _save_weights(model_state_dict(model), tmp / WEIGHTS, metadata={"format": "pt", "kind": kind})
-        (tmp / TOKENIZER_FILE).write_text(json.dumps(tokenizer.to_dict(), ensure_ascii=False), encoding="utf-8")
-        names = [WEIGHTS, TOKENIZER_FILE]
-        if trainer_state is not None:
-            torch.save(trainer_state, tmp / STATE)
-            names.append(STATE)
-        files = {}
-        for name in names:
-            _fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        files = _write_files(tmp, model, tokenizer, kind, trainer_state)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "kind": kind,
             "step": step,
-            "model_config": config.to_dict(),
+            "model_config": unwrap(model).cfg.to_dict(),
             "train_config": train_config,
             "files": files,
             "torch_version": torch.__version__,
@@ -236,15 +256,7 @@ def save_checkpoint(
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
-        final = root / step_dir_name(step)
-        if final.exists():  # the same step saved again: move the old one aside, then swap in the new one
-            old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
+        final = _swap_in(tmp, root / step_dir_name(step))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, *, init: Init | None = None) -> TrainResult:
             )
         device = _device(cfg, world)
         with claimed(cfg.out, world, device):
-            return Trainer.start(cfg, world, device, scan, init).run()
+            return Trainer.prepare(cfg, world, device, scan, init).run()
     finally:
         if world.owns_group:
             dist.destroy_process_group()
@@ -126,7 +126,7 @@ class Trainer:
         self._window = (time.perf_counter(), 0)  # (start, tokens) of the current tokens/s measurement
 
     @classmethod
-    def start(
+    def prepare(
         cls, cfg: TrainConfig, world: World, device: torch.device, scan: CorpusScan | None, init: Init | None
     ) -> Trainer:
         """Load the checkpoint to resume (if any), prepare the data, and build or restore the model."""
@@ -149,6 +149,9 @@ class Trainer:
             if init is not None:
                 init(model)
             trainer = cls(cfg, world, device, data, model, 0)
+        if world.main and trainer.amp == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bfloat16():
+            note = "dtype: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX): bfloat16 autocast is"
+            print(f"{note} emulated and slower than float32 here; --dtype float32 is faster", file=sys.stderr)
         trainer._open_outputs(resumed=ckpt is not None)
         return trainer
 
@@ -162,13 +165,9 @@ class Trainer:
         return net
 
     def _open_outputs(self, resumed: bool) -> None:
+        """metrics.jsonl (rewritten up to the resumed step) and the progress bar, on the rank that writes."""
         if not self.world.main:
             return
-        if self.amp == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bfloat16():
-            note = "dtype: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX): bfloat16 autocast is"
-            print(
-                f"{note} emulated and slower than float32 here; --dtype float32 is the faster choice", file=sys.stderr
-            )
         if self.cfg.out is not None:
             mid_window = self.start % self.cfg.log_every != 0
             self.metrics = MetricsLog(
