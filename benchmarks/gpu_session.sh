@@ -62,7 +62,7 @@ step env 30 bash -c "nvidia-smi; \"$PY\" \"$VERSIONS_PY\""
 XDIST=""  # compile the kernels of several tests at once where pytest-xdist is there
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 4"
 # shellcheck disable=SC2086
-step pytest 150 "$PY" -m pytest -q -m "triton or cuda" tests/test_attention_triton.py tests/test_attention_tiled.py \
+step pytest 150 "$PY" -m pytest -q -m "triton or cuda" tests/attention/test_triton.py tests/attention/test_tiled.py \
     -rs -p no:cacheprovider --durations=10 $XDIST
 
 for dim in 64 128; do

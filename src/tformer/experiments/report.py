@@ -69,7 +69,7 @@ def _method(module: ModuleType) -> str:
     doc = inspect.getdoc(module) or ""
     paragraphs = doc.split("\n\n")
     start = next((i for i, p in enumerate(paragraphs) if p.startswith("Measured")), len(paragraphs))
-    text = "\n\n".join(paragraphs[start:])
+    text = "\n\n".join(p for p in paragraphs[start:] if not p.startswith("Shapes:"))  # the legend is for code
     text = re.sub(r":(?:func|class|mod|meth):`~?([^`]+)`", r"`\1`", text)
     return text.replace("``", "`")
 
