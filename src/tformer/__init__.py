@@ -1,8 +1,8 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
 Layers of the package (dependencies point one way):
-    config, functional (tensor math) <- attention <- layers <- models <- generation, training <- experiments,
-    claims <- cli.
+    config, functional (tensor math) <- attention <- layers <- models <- generation <- training <- experiments,
+    claims <- cli (tests/test_layout.py holds it).
 
 Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
 tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.

@@ -6,6 +6,7 @@ Each field's ``metadata["help"]`` says what it sets (the ``tformer train`` flags
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -52,8 +53,8 @@ class TransformerConfig:
     position: Position = _doc("sinusoidal", "position encoding")
     bias: bool = _doc(True, "biases in the linear layers and LayerNorms")
     tie_embeddings: bool = _doc(True, "the output projection reuses the token embedding")
-    num_kv_heads: int | None = _doc(None, "key/value heads of grouped-query attention (default: num_heads)")
-    num_decoder_layers: int | None = _doc(None, "decoder blocks of an encoder-decoder (default: num_layers)")
+    num_kv_heads: int | None = _doc(None, "key/value heads of grouped-query attention (default num_heads)")
+    num_decoder_layers: int | None = _doc(None, "decoder blocks of an encoder-decoder (default num_layers)")
     activation: Activation = _doc("relu", "activation of the feed-forward layer")
     rope_base: float = _doc(10000.0, "RoPE's base: theta_i = base^(-2i/head_dim)")
     rope_interleaved: bool = _doc(True, "RoPE pairs (x0, x1), (x2, x3)... (True) or (x_i, x_{i+D/2}) (False)")
@@ -68,8 +69,19 @@ class TransformerConfig:
                 raise ConfigError(f"TransformerConfig.{name} must be a positive integer; got {value!r}", name)
         for name in ("num_kv_heads", "num_decoder_layers"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"TransformerConfig.{name} must be a positive integer or None; got {value!r}", name)
+        for name in ("dropout", "rope_base", "layer_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"TransformerConfig.{name} must be a number; got {value!r}", name)
+        if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):
+            raise ConfigError(
+                f"TransformerConfig.layer_norm_eps must be a number > 0; got {self.layer_norm_eps!r}", "layer_norm_eps"
+            )
+        for name in ("norm_first", "bias", "tie_embeddings", "rope_interleaved"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"TransformerConfig.{name} must be True or False; got {getattr(self, name)!r}", name)
         if self.d_model % self.num_heads:
             raise ConfigError(
                 f"TransformerConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
@@ -98,7 +110,7 @@ class TransformerConfig:
                 "d_model",
                 "num_heads",
             )
-        if self.rope_base <= 1.0:
+        if not (math.isfinite(self.rope_base) and self.rope_base > 1.0):
             raise ConfigError(f"TransformerConfig.rope_base must be > 1; got {self.rope_base!r}", "rope_base")
         if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
             raise ConfigError(

@@ -249,6 +249,7 @@ def test_train_demo_refuses_to_replace_another_run(tmp_path, capsys, no_training
             task_max_len=3,
             task_held_out=10,
             steps=2,
+            warmup=1,
             save_every=1,
             batch_size=4,
             model=model,

@@ -564,12 +564,12 @@ def test_skipped_files_of_a_data_folder_are_reported_once(tiny_run, tmp_path, co
     (folder / "code.py").write_text(corpus.read_text())
     (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0")
     (folder / "latin1.txt").write_bytes(b"caf\xe9\n")
-    train(tiny_run(data=str(folder), steps=1, eval_every=0))
+    train(tiny_run(data=str(folder), steps=1, warmup=1, eval_every=0))
     assert capsys.readouterr().err == (
         f"data: skipped 1 hidden entry (.git) and 2 files that are not UTF-8 text "
         f"(image.png, latin1.txt) under {folder}\n"
     )
-    train(tiny_run("clean", steps=1, eval_every=0))
+    train(tiny_run("clean", steps=1, warmup=1, eval_every=0))
     assert capsys.readouterr().err == ""  # nothing skipped, nothing said
 
 

@@ -279,7 +279,7 @@ def _run_worker(claim: Claim, limits: Limits) -> ClaimResult:
     return verdict("ERROR", f"the worker {_describe_exit(returncode)} without reporting a result{detail}", elapsed)
 
 
-def _limits(timeout_s: float, memory_mb: int, cpu_s: float | None) -> Limits:
+def make_limits(timeout_s: float, memory_mb: int, cpu_s: float | None) -> Limits:
     return Limits(timeout_s=timeout_s, cpu_s=timeout_s if cpu_s is None else cpu_s, memory_mb=memory_mb)
 
 
@@ -291,7 +291,7 @@ def check_claim(
     cpu_s: float | None = None,
 ) -> ClaimResult:
     """Check one claim in its own sandboxed worker process (``cpu_s`` defaults to ``timeout_s``)."""
-    return _run_worker(claim, _limits(timeout_s, memory_mb, cpu_s))
+    return _run_worker(claim, make_limits(timeout_s, memory_mb, cpu_s))
 
 
 def iter_check_claims(
@@ -303,7 +303,7 @@ def iter_check_claims(
     jobs: int | None = None,
 ) -> Iterator[ClaimResult]:
     """Check claims, ``jobs`` at a time (default: CPU count), yielding results in the input order."""
-    limits = _limits(timeout_s, memory_mb, cpu_s)
+    limits = make_limits(timeout_s, memory_mb, cpu_s)
     claims = list(claims)
     workers = max(1, min(jobs or os.cpu_count() or 1, len(claims) or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="claim") as pool:
@@ -342,7 +342,7 @@ def summary_line(results: Sequence[ClaimResult]) -> str:
     counts = summarize(results)
     line = f"{counts['passed']} passed, {counts['failed']} failed"
     if counts["errors"]:
-        line += f", {counts['errors']} errors"
+        line += f", {counts['errors']} error{'s' if counts['errors'] != 1 else ''}"
     if counts["timeouts"]:
         line += f", {counts['timeouts']} timed out"
     return line

@@ -1,6 +1,6 @@
 """Run one claim snippet in a locked-down child process: the worker side of ``tformer verify-claims``.
 
-The parent (:mod:`tformer.claims`) starts ``python -I path/to/_claim_worker.py`` once per claim, writes one
+The parent (:mod:`tformer.claims`) starts ``python -I path/to/tformer/claims/worker.py`` once per claim, writes one
 JSON request on its stdin and reads JSON lines back from its stdout. The file is run as a script, not as
 ``tformer.claims.worker``, so the ``tformer`` package (which imports torch) is never imported here; it
 imports only the standard library, RestrictedPython and, lazily, sympy.

@@ -100,12 +100,28 @@ def _ctrl_c_held_back() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (``tformer train: error: ...; see tformer train --help``), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tformer", description=DESCRIPTION)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = Parser(prog="tformer", description=DESCRIPTION)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # of the same class
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_cli(subparsers)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The namespace of ``argv``; arguments the command does not know are reported by the command's parser."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser._subparsers._group_actions[0].choices[args.command]  # argparse keeps them only here
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with _ctrl_c_held_back():  # the command modules import torch
                 parser = build_parser()
-            args = parser.parse_args(argv)
+            args = parse(parser, argv)
             return int(args.func(args) or 0)
         finally:  # what is still buffered (stdout is a pipe or a file) fails here, inside the handlers below
             if sys.stdout is not None:

@@ -15,13 +15,14 @@ from tformer.claims.checker import (
     BUILTIN_CLAIMS,
     DEFAULT_MEMORY_MB,
     DEFAULT_TIMEOUT_S,
+    MIN_MEMORY_MB,
     Claim,
     ClaimsInputError,
-    _limits,
     builtin_claims,
     format_row,
     iter_check_claims,
     load_claims,
+    make_limits,
     parse_claims,
     summarize,
     summary_line,
@@ -64,7 +65,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         epilog=CLI_EPILOG,
     )
     add_arguments(parser)
-    parser.set_defaults(func=run_cli)
+    parser.set_defaults(func=run_cli, prog_name="tformer verify-claims")
     return parser
 
 
@@ -87,12 +88,16 @@ def _claims_from_args(args: argparse.Namespace) -> list[Claim]:
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``verify-claims`` for parsed arguments; return the process exit code (0, 1 or 2)."""
     try:
-        claims = _claims_from_args(args)
-        limits = _limits(args.timeout, args.memory_mb, None)
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout must be a number of seconds > 0; got {args.timeout:g}")
+        if args.memory_mb < MIN_MEMORY_MB:
+            raise ValueError(f"--memory-mb must be at least {MIN_MEMORY_MB}; got {args.memory_mb}")
         if args.jobs is not None and args.jobs < 1:
-            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+            raise ValueError(f"--jobs must be at least 1; got {args.jobs}")
+        claims = _claims_from_args(args)
+        limits = make_limits(args.timeout, args.memory_mb, None)
     except (ClaimsInputError, ValueError) as exc:
-        print(f"verify-claims: {exc}", file=sys.stderr)
+        print(f"{args.prog_name}: error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     results = []
@@ -105,18 +110,18 @@ def run_cli(args: argparse.Namespace) -> int:
         report = {"results": [asdict(r) for r in results], "summary": summarize(results), "ok": ok}
         print(json.dumps(report, indent=2))
     else:
-        print(f"{summary_line(results)} ({len(results)} claims, {time.perf_counter() - start:.1f} s)")
+        claims_checked = f"{len(results)} claim{'s' if len(results) != 1 else ''}"
+        print(f"{summary_line(results)} ({claims_checked}, {time.perf_counter() - start:.1f} s)")
     return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tformer.claims [FILE] [--builtin NAME] [--json] ...``"""
-    parser = argparse.ArgumentParser(
-        prog="python -m tformer.claims",
-        description=CLI_DESCRIPTION,
-        epilog=CLI_EPILOG,
-    )
+    from tformer.cli import Parser
+
+    parser = Parser(prog="python -m tformer.claims", description=CLI_DESCRIPTION, epilog=CLI_EPILOG)
     add_arguments(parser)
+    parser.set_defaults(prog_name="python -m tformer.claims")
     return run_cli(parser.parse_args(argv))
 
 

@@ -24,10 +24,16 @@ DEMO_TASKS = ["reverse", "sort", "copy"]
 
 
 def add_cli(subparsers) -> None:
-    d = subparsers.add_parser("train-demo", help="the main job: a small GPT on the Python stdlib (~3 min on 2 cores)")
+    d = subparsers.add_parser(
+        "train-demo",
+        help="the main job: a small GPT on the Python stdlib (~3 min on 2 cores)",
+        description="Train a 4-layer GPT (d_model 128, byte-level, context 128) on the Python standard library, "
+        "then print its validation loss and a sample, and write the loss plot. --out is replaced each time, but "
+        "only if it holds an earlier train-demo run.",
+    )
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced each time)")
     add_train_flags(d, only=("steps", "progress"), defaults=demos.DEMO)
-    d.add_argument("--prompt", default="def ", help="the start of the sample")
+    d.add_argument("--prompt", default="def ", help="the start of the sample (default 'def ')")
     d.add_argument("--sample-tokens", type=int, default=400, help="bytes to sample (default 400)")
     d.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, > 0 (default 0.8)")
     d.add_argument("--plot-copy", default=None, help="also copy loss.png here (e.g. docs/demo_loss.png)")
@@ -39,7 +45,12 @@ def add_cli(subparsers) -> None:
         description="Train a small encoder-decoder (2+2 layers, d_model 64) on a built-in task of digit sequences "
         "and report its exact-match accuracy on held-out sequences.",
     )
-    p.add_argument("--task", default="reverse", choices=DEMO_TASKS, help="default reverse")
+    p.add_argument(
+        "--task",
+        default="reverse",
+        choices=DEMO_TASKS,
+        help="default reverse (add trains with tformer train --task add: the examples print digits)",
+    )
     add_train_flags(p, only=("steps", "batch_size", "lr", "seed"), defaults=dict(steps=1500, batch_size=64, lr=2e-3))
     p.set_defaults(func=_run_demo)
 

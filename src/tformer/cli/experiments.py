@@ -24,9 +24,11 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("name", nargs="?", metavar="NAME", help=f"one of: {names}")
     p.add_argument("--list", action="store_true", help="list the experiments and the questions they answer")
-    p.add_argument("--out", type=Path, default=Path("out/experiments"), help="folder for the PNG(s)")
+    p.add_argument(
+        "--out", type=Path, default=Path("out/experiments"), help="folder for the PNG(s) (default out/experiments)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds) instead of the report's")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: each experiment's own)")
+    p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**63) (default: each experiment's own)")
     p.set_defaults(func=_run_experiment)
 
     r = subparsers.add_parser(
@@ -34,11 +36,23 @@ def add_cli(subparsers) -> None:
         help="run every experiment and write report.md with all tables and pictures",
         description="Run every experiment and write OUT/report.md (one section per question of the source).",
     )
-    r.add_argument("--out", type=Path, default=Path("out/report"), help="folder for report.md and the PNGs")
+    r.add_argument(
+        "--out", type=Path, default=Path("out/report"), help="folder for report.md and the PNGs (default out/report)"
+    )
     r.add_argument("--quick", action="store_true", help="tiny sizes: seconds instead of minutes")
     r.add_argument("--only", default=None, help=f"comma-separated subset of: {names}")
-    r.add_argument("--seed", type=int, default=None, help="random seed (default: each experiment's own)")
+    r.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**63) (default: each experiment's own)")
     r.set_defaults(func=_run_report)
+
+
+def _check_out_and_seed(args: argparse.Namespace) -> None:
+    """``ValueError`` for an ``--out`` that cannot be a folder or a ``--seed`` torch cannot take, before any run."""
+    blocking = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        where = "" if blocking == args.out else f" lies under {blocking}, which"
+        raise ValueError(f"--out {args.out}{where} is a file; give a folder")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be an integer in [0, 2**63); got {args.seed}")
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
@@ -47,15 +61,13 @@ def _run_experiment(args: argparse.Namespace) -> int:
             module = load(name)
             print(f"{name:<15} {module.QUESTION:<13} {module.TITLE}")
         return 0
-    if args.name is None:
-        print(
-            f"tformer experiment: give an experiment NAME (one of: {', '.join(EXPERIMENTS)}) or --list", file=sys.stderr
-        )
-        return 2
     try:
+        if args.name is None:
+            raise ValueError(f"give an experiment NAME (one of: {', '.join(EXPERIMENTS)}) or --list")
         load(args.name)
+        _check_out_and_seed(args)
     except ValueError as exc:
-        print(f"tformer experiment: {exc}", file=sys.stderr)
+        print(f"tformer experiment: error: {exc}", file=sys.stderr)
         return 2
     run = run_and_plot(args.name, args.out, "quick" if args.quick else "report", args.seed)
     print(format_console(run))
@@ -65,10 +77,13 @@ def _run_experiment(args: argparse.Namespace) -> int:
 def _run_report(args: argparse.Namespace) -> int:
     names = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     try:
+        if names == []:
+            raise ValueError(f"--only names no experiment; give some of: {', '.join(EXPERIMENTS)}")
         for name in names or []:
             load(name)
+        _check_out_and_seed(args)
     except ValueError as exc:
-        print(f"tformer report: {exc}", file=sys.stderr)
+        print(f"tformer report: error: {exc}", file=sys.stderr)
         return 2
     write_report(args.out, "quick" if args.quick else "report", names, args.seed)
     return 0

@@ -19,15 +19,8 @@ from tformer.training.config import LM_MODEL, MODEL_FLAGS, SEQ2SEQ_MODEL, ModelF
 from tformer.training.settings import field_types, flag_of, info
 
 MODEL_DEST = "model."
-GROUP_TITLES = {
-    "run": None,
-    "source": None,
-    "tokenizer": "tokenizer",
-    "model": "model",
-    "optimization": "optimization",
-    "data": "data",
-    "bookkeeping": "bookkeeping",
-}
+TOP_LEVEL_GROUPS = ("run", "source")  # the flags of these groups are listed first, under no title; the others
+# under their group's name
 
 
 def _plain(annotation: Any) -> Any:
@@ -88,11 +81,10 @@ def add_train_flags(
         meta = info(f)
         group = groups.get(meta.group)
         if group is None:
-            title = GROUP_TITLES.get(meta.group)
-            if meta.group == "source":
+            if meta.group == "source":  # one of --data, --task, --pairs
                 group = parser.add_mutually_exclusive_group()
             else:
-                group = parser.add_argument_group(title) if title else parser
+                group = parser if meta.group in TOP_LEVEL_GROUPS else parser.add_argument_group(meta.group)
             groups[meta.group] = group
         if f.name == "model":
             _add_model_flags(group)
@@ -100,7 +92,9 @@ def add_train_flags(
         if not flag_of(f):
             continue
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        names, kwargs = _argument(flag_of(f), f.name, types[f.name], meta.help, default)
+        names, kwargs = _argument(flag_of(f), f.name, types[f.name], meta.flag_help or meta.help, default)
+        if meta.choices is not None:
+            kwargs["choices"] = list(meta.choices)
         if meta.required and only is None:
             kwargs.update(required=True)
             kwargs.pop("default")
@@ -111,14 +105,16 @@ def _add_model_flags(group) -> None:
     types = field_types(TransformerConfig)
     fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
     for name, spec in MODEL_FLAGS.items():
-        _add_model_flag(group, name, spec, types[name], fields[name].metadata["help"])
+        _add_model_flag(group, name, spec, types[name], fields[name].metadata["help"], fields[name].default)
 
 
-def _add_model_flag(group, name: str, spec: ModelFlag, annotation: Any, help_text: str) -> None:
+def _add_model_flag(group, name: str, spec: ModelFlag, annotation: Any, help_text: str, default: Any) -> None:
     dest = MODEL_DEST + name
     if name in LM_MODEL and name in SEQ2SEQ_MODEL:  # the kinds' own defaults
         lm, s2s = (_said(model[name], spec) for model in (LM_MODEL, SEQ2SEQ_MODEL))
         help_text += f" (default {lm})" if lm == s2s else f" (default {lm} for LMs, {s2s} for seq2seq)"
+    elif default is not None:  # TransformerConfig's
+        help_text += f" (default {_said(default, spec)})"
     if spec.words is not None:
         group.add_argument(
             spec.flag,

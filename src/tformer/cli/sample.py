@@ -40,7 +40,7 @@ def add_cli(subparsers) -> None:
         metavar="STR",
         help="end when the generated text contains STR (not printed); repeatable",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
     p.set_defaults(func=_run_sample)
 
 

@@ -9,7 +9,6 @@ continues) a run; ``torchrun --nproc_per_node=2 -m tformer train ...`` trains da
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -87,28 +86,17 @@ def _check_saved_config(saved: dict[str, Any], given: set[str], manifest: Path) 
 
 
 def reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
-    """``ValueError`` naming the flags given on the command line that this kind of run would silently ignore (each
-    field says which sources and tokenizers it applies to, and why)."""
-    from tformer.training.config import TrainConfig
-    from tformer.training.settings import info
+    """``ValueError`` naming the flags given on the command line that this kind of run would silently ignore (even
+    at their default values: a flag given is a flag meant)."""
+    from tformer.training.config import runs_of, settings_that_do_not_apply
 
-    reasons: dict[str, str] = {}
-    for f in dataclasses.fields(TrainConfig):
-        meta = info(f)
-        if f.name not in given:
-            continue
-        if meta.sources and cfg.source not in meta.sources:
-            reasons[f.name] = meta.why
-        elif meta.tokenizers and cfg.tokenizer not in meta.tokenizers:
-            what = "sizes a BPE vocabulary" if f.name == "vocab_size" else "is the char tokenizer's policy"
-            reasons[f.name] = f"it {what} and this run's tokenizer is {cfg.tokenizer}"
+    reasons = settings_that_do_not_apply(cfg, given)
     if not reasons:
         return
-    run = "language-model (--data) runs" if cfg.source == "data" else f"--{cfg.source} runs"
     parts = []
     for why in dict.fromkeys(reasons.values()):  # one clause per reason, in the order of the fields
         flags = [flag_of_setting(name) for name, w in reasons.items() if w == why]
-        parts.append(f"{', '.join(flags)} {'does' if len(flags) == 1 else 'do'} not apply to {run} ({why})")
+        parts.append(f"{', '.join(flags)} {'does' if len(flags) == 1 else 'do'} not apply to {runs_of(cfg)} ({why})")
     raise ValueError("; ".join(parts) + ("; leave it out" if len(reasons) == 1 else "; leave them out"))
 
 
@@ -145,7 +133,8 @@ def summary(result) -> str:
         f"{result.num_parameters:,} parameters)"
     ]
     if result.losses:
-        lines.append(f"training loss {result.final_loss:.4f} (mean of the last 20 steps)")
+        last = min(20, len(result.losses))
+        lines.append(f"training loss {result.final_loss:.4f} (mean of the last {last} step{'s' if last > 1 else ''})")
     if result.val_losses:
         lines.append(f"validation loss {result.val_loss:.4f}")
     if result.val_accuracy is not None:

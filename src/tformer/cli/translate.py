@@ -36,8 +36,10 @@ def add_cli(subparsers) -> None:
         default=None,
         help="longest output in tokens, EOS included (default: the model's max_seq_len)",
     )
-    t.add_argument("--batch-size", type=int, default=32, help="lines decoded together when stdin is not a terminal")
-    t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default cpu)")
+    t.add_argument(
+        "--batch-size", type=int, default=32, help="lines decoded together when stdin is not a terminal (default 32)"
+    )
+    t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
     t.set_defaults(func=_run_translate)
 
 

@@ -4,6 +4,7 @@ Modules:
     sampling  pure logit filters (temperature, top-k, top-p) and ``generate`` for decoder-only LMs
     stopping  when a generated row ends: an EOS id, stop sequences, stop strings
     seq2seq   greedy and beam search for encoder-decoder models
+    text      text in, text out: a streamed continuation of a prompt, translation of lines
 """
 
 from tformer.generation.sampling import generate

@@ -352,6 +352,11 @@ def generate(
     NaN (or infinite) logits from the model: checked once on the prompt's logits (a model with a NaN weight
     gives them there), and, when sampling, at every draw at no extra cost.
     """
+    if not isinstance(model, DecoderLM):
+        raise TypeError(
+            f"generate continues prompts with a DecoderLM; got a {type(model).__name__} (an "
+            "EncoderDecoder decodes with greedy_seq2seq or beam_search)"
+        )
     cfg = model.cfg
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")

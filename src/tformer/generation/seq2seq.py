@@ -28,6 +28,11 @@ from tformer.models import EncoderDecoder, check_inputs
 def _check_decode_args(
     model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_new_tokens: int, bos_id: int, eos_id: int
 ) -> None:
+    if not isinstance(model, EncoderDecoder):
+        raise TypeError(
+            f"greedy_seq2seq and beam_search decode with an EncoderDecoder; got a {type(model).__name__} "
+            "(a DecoderLM continues prompts with generate)"
+        )
     cfg = model.cfg
     check_inputs(cfg, src, src_mask, name="src", mask_name="src_mask")  # once: the decode loop reads nothing back
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

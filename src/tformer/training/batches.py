@@ -56,7 +56,8 @@ class LMBatches:
         if len(tokens) < block_size + 2:
             raise ValueError(
                 f"a split of {len(tokens)} tokens is too short for windows of block_size={block_size} "
-                "(+1 for the shifted targets); use a smaller --block-size or more data"
+                "(+1 for the shifted targets); use a smaller --block-size, more data, or (for a small validation "
+                "split) a larger --val-fraction"
             )
         self.tokens, self.block_size, self.batch_size, self.seed = tokens, block_size, batch_size, seed
 

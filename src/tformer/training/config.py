@@ -19,6 +19,7 @@ from tformer.training.settings import (
     field_types,
     finite_at_least,
     finite_in,
+    info,
     non_negative,
     positive,
     rule_problem,
@@ -117,7 +118,7 @@ class TrainConfig:
         expected="a path",
     )
     task: str | None = setting(
-        None, f"seq2seq built-in task: {', '.join(TASKS)}", group="source", expected="a task name"
+        None, "seq2seq: a built-in task", group="source", expected="a task name", choices=tuple(TASKS)
     )
     pairs: str | None = setting(None, "seq2seq: a file of source<TAB>target lines", group="source", expected="a path")
     resume: bool = setting(False, "continue the run in --out from its latest checkpoint", group="run")
@@ -176,7 +177,7 @@ class TrainConfig:
     grad_clip: float = setting(1.0, "max gradient norm", group="optimization", rule=finite_at_least(0, "0 = off"))
     label_smoothing: float = setting(
         0.1,
-        "seq2seq",
+        "seq2seq: the share of each target's probability spread over the vocabulary",
         group="optimization",
         rule=finite_in(0, 1, high_open=True),
         sources=("task", "pairs"),
@@ -185,7 +186,7 @@ class TrainConfig:
     seed: int = setting(0, "seed of the weights, the batches and dropout", group="optimization", rule=_seed_rule)
     dtype: Dtype = setting("auto", "autocast: auto = bfloat16 on CUDA, float32 on CPU", group="optimization")
     compile: bool = setting(False, "torch.compile the model", group="optimization")
-    device: str = setting("auto", "auto, cpu, cuda, cuda:1 ...", group="optimization")
+    device: str = setting("auto", "auto (CUDA if there is a GPU), cpu, cuda, cuda:1 ...", group="optimization")
     val_fraction: float = setting(
         0.1,
         "held-out share of the data",
@@ -222,7 +223,10 @@ class TrainConfig:
         why="tasks generate their examples; nothing is tokenized into a cache",
     )
     eval_every: int = setting(
-        250, "steps between validation losses", group="bookkeeping", rule=non_negative("0 turns it off")
+        250,
+        "steps between validation losses (0: only at the end)",
+        group="bookkeeping",
+        rule=non_negative("0 = only at the end"),
     )
     eval_batches: int = setting(
         20, "LM validation batches", group="bookkeeping", rule=positive, sources=("data",), why=_HELD_OUT
@@ -232,7 +236,7 @@ class TrainConfig:
     )
     keep: int = setting(2, "newest checkpoints kept, older ones deleted", group="bookkeeping", rule=positive)
     log_every: int = setting(10, "steps between progress/metrics updates", group="bookkeeping", rule=positive)
-    progress: bool = setting(True, "a progress bar", group="bookkeeping")
+    progress: bool = setting(True, "show a progress bar", group="bookkeeping", flag_help="no progress bar")
 
     def __post_init__(self) -> None:
         for name in ("out", "data", "pairs", "cache_dir"):  # paths are kept as strings (JSON in checkpoints)
@@ -266,6 +270,14 @@ class TrainConfig:
             if problem:
                 raise ConfigError(problem, f.name)
         self._check_combinations()
+        changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != _default(f)]
+        ignored = settings_that_do_not_apply(self, changed)
+        if ignored:
+            name, why = next(iter(ignored.items()))
+            raise ConfigError(
+                f"{name}{where(self._field(name))} does not apply to {runs_of(self)} ({why}); leave it at its default",
+                *ignored,
+            )
         self.check_model()
 
     def _field(self, name: str) -> dataclasses.Field:
@@ -276,10 +288,6 @@ class TrainConfig:
         sources = [name for name in ("data", "task", "pairs") if getattr(self, name) is not None]
         if len(sources) > 1:
             raise ConfigError(f"give one of data, task, pairs (--data/--task/--pairs); got {sources}", *sources)
-        if self.task is not None and self.task not in TASKS:
-            raise ConfigError(
-                f"unknown task {self.task!r}{where(self._field('task'))}; choose one of {sorted(TASKS)}", "task"
-            )
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"batch_size={self.batch_size} must divide evenly into grad_accum={self.grad_accum} "
@@ -312,6 +320,19 @@ class TrainConfig:
                 f"{device.type}; use --attn-backend auto (or sdpa, tiled)",
                 "attn_backend",
             )
+        if self.model.get("dropout", 0) and self.model.get("attn_backend") in ("tiled", "triton"):
+            backend = self.model["attn_backend"]
+            raise ConfigError(
+                f"attn_backend {backend!r} does not implement attention dropout, and this run's model has "
+                f"dropout={self.model['dropout']}; use --attn-backend auto or sdpa, or --dropout 0 "
+                "(--dropout, --attn-backend)",
+                "dropout",
+                "attn_backend",
+            )
+        if self.cache_dir is not None and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
+            raise ConfigError(f"cache_dir {self.cache_dir} is a file (--cache-dir); give a folder", "cache_dir")
+        if self.out == "":
+            raise ConfigError("out must be a directory (--out); got '' (use --out . for the current directory)", "out")
         if self.out is None:
             if self.resume:
                 raise ConfigError("resume needs the run directory to resume (--out)", "resume", "out")
@@ -347,6 +368,30 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def runs_of(cfg: TrainConfig) -> str:
+    return "language-model (--data) runs" if cfg.source == "data" else f"--{cfg.source} runs"
+
+
+def settings_that_do_not_apply(cfg: TrainConfig, names) -> dict[str, str]:
+    """Setting -> why it does nothing in this kind of run, for the settings among ``names`` that would be ignored
+    (each field says which sources and tokenizers it applies to, and why)."""
+    reasons: dict[str, str] = {}
+    for f in dataclasses.fields(TrainConfig):
+        meta = info(f)
+        if f.name not in names:
+            continue
+        if meta.sources and cfg.source not in meta.sources:
+            reasons[f.name] = meta.why
+        elif meta.tokenizers and cfg.tokenizer not in meta.tokenizers:
+            what = "sizes a BPE vocabulary" if f.name == "vocab_size" else "is the char tokenizer's policy"
+            reasons[f.name] = f"it {what} and this run's tokenizer is {cfg.tokenizer}"
+    return reasons
 
 
 def check_saved_value(name: str, value: Any) -> str | None:

@@ -314,7 +314,8 @@ def tokenize_corpus(
     meta = json.loads((entry / "meta.json").read_text())
     count = meta["count"]
     if count == 0:
-        raise ValueError(f"the corpus ({len(files)} files, first {files[0]}) is empty after tokenization")
+        what = f"{len(files)} file{'s' if len(files) != 1 else ''}, first {files[0]}"
+        raise ValueError(f"the corpus ({what}) is empty after tokenization")
     tokens = np.memmap(entry / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(count,))
     split = int(round(count * (1.0 - val_fraction)))
     return TokenizedCorpus(tokens, split, entry)

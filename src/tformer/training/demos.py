@@ -238,7 +238,8 @@ def format_result(result: DemoResult) -> str:
         return " ".join(SEQ2SEQ_SPECIALS[t] if t < SPECIALS else str(t - SPECIALS) for t in seq)
 
     lines = [
-        f"trained {result.steps} steps in {result.seconds:.0f} s, final training loss {result.final_loss:.4f}",
+        f"trained {result.steps} steps in {result.seconds:.0f} s, training loss {result.final_loss:.4f} (mean of the "
+        f"last {min(20, result.steps)} steps)",
         f"held-out exact-match accuracy: {100 * result.accuracy:.1f}%",
         "examples (source -> predicted):",
     ]

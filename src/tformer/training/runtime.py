@@ -1,4 +1,6 @@
-"""The process around a training run: devices, ranks under ``torchrun``, the run lock, Ctrl-C, RNG state.
+"""The process around a training run: devices, ranks under ``torchrun``, Ctrl-C.
+
+The run directory's lock lives in :mod:`tformer.training.rundir`.
 
 Nothing here knows about models or data; :mod:`tformer.training` uses these pieces, and the CLIs use
 :func:`resolve_device` to check ``--device`` before loading anything.

@@ -35,6 +35,8 @@ class Setting:
     expected: str | None = None  # how errors say the type ("a path"); default: from the annotation
     flag: str | None = None  # default: --name-with-dashes (--no-name for a bool that defaults to True); "": none
     required: bool = False  # on the command line (the Python default may mean something else, e.g. None)
+    flag_help: str | None = None  # the flag's help where it differs from the setting's (a --no-x flag)
+    choices: tuple[str, ...] | None = None  # the values a string setting takes (checked, and the flag's choices)
     sources: tuple[str, ...] = ()
     tokenizers: tuple[str, ...] = ()
     why: str = ""
@@ -150,8 +152,11 @@ def show(value: Any) -> str:
 
 def rule_problem(f: dataclasses.Field, value: Any) -> str | None:
     """``"lr must be in (0, 1] (--lr; note); got 2"``, or ``None`` when the field's rule holds."""
-    rule = info(f).rule
-    verdict = None if rule is None else rule(value)
+    meta = info(f)
+    if meta.choices is not None and value is not None and value not in meta.choices:
+        choices = ", ".join(map(repr, meta.choices))
+        return f"{f.name} must be one of {choices}{where(f)}; got {show(value)}"
+    verdict = None if meta.rule is None else meta.rule(value)
     if verdict is None:
         return None
     what, note = (verdict, "") if isinstance(verdict, str) else verdict

@@ -183,8 +183,8 @@ class CharTokenizer(Tokenizer):
             index = next(i for i, c in enumerate(text) if c not in ids)
             raise ValueError(
                 f"character {text[index]!r} at index {index} is not in the tokenizer's {len(self.chars)} characters; "
-                "build the tokenizer with unknown='unk' or 'skip' (tformer train --unknown unk or --unknown skip), "
-                "or from a corpus that contains it"
+                "use characters the tokenizer was built from (a task's alphabet, or the training corpus's), or build "
+                "a corpus tokenizer with unknown='unk' or 'skip' (tformer train --unknown unk or --unknown skip)"
             )
         if self.unknown == "skip":
             return [ids[c] for c in text if c in ids]
@@ -246,7 +246,7 @@ class BPETokenizer(Tokenizer):
         if vocab_size < minimum:
             raise ValueError(
                 f"BPE vocab_size={vocab_size} is too small: byte-level BPE needs the 256 byte symbols plus "
-                f"{len(specials)} special tokens, so at least {minimum}"
+                f"{len(specials)} special tokens, so at least {minimum} (--vocab-size)"
             )
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

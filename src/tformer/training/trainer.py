@@ -149,6 +149,13 @@ class Trainer:
             if init is not None:
                 init(model)
             trainer = cls(cfg, world, device, data, model, 0)
+        if world.main and cfg.warmup > cfg.steps:
+            print(
+                f"note: --warmup {cfg.warmup} is longer than the run (--steps {cfg.steps}): the learning rate rises to "
+                f"{lr_at(cfg.steps - 1, cfg):.1e} of --lr {cfg.lr:g} and never decays; lower --warmup for a full "
+                "schedule",
+                file=sys.stderr,
+            )
         if world.main and trainer.amp == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bfloat16():
             note = "dtype: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX): bfloat16 autocast is"
             print(f"{note} emulated and slower than float32 here; --dtype float32 is faster", file=sys.stderr)
