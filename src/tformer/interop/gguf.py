@@ -1,0 +1,264 @@
+"""GGUF files (llama.cpp's format) of the ``llama`` architecture, read and dequantized with the ``gguf`` package.
+
+Three things differ from a Hugging Face directory, and are undone here:
+
+* tensor names: ``blk.N.attn_q.weight`` is ``model.layers.N.self_attn.q_proj.weight`` and so on (``NAMES``);
+* the Q and K rows: llama.cpp's converter permutes each head's rows so that its RoPE can rotate adjacent pairs
+  (``(x_0, x_1), (x_2, x_3)...``) where Hugging Face's rotates halves (``(x_i, x_{i+D/2})``). :func:`unpermute`
+  restores Hugging Face's order, so the model is the same one ``transformers`` builds from the file;
+* the hyper-parameters and the tokenizer live in the metadata (``llama.embedding_length``, ``tokenizer.ggml.*``).
+
+The tokenizer: ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE) from the file's tokens and merges, with the
+pre-tokenizer that ``tokenizer.ggml.pre`` names. ``transformers``' GGUF loader ignores ``pre`` and splits with GPT-2's
+rule alone; tformer follows the file (as llama.cpp does): for ``smollm`` digits are split one by one first, as in
+SmolLM2's own ``tokenizer.json``. Texts without digits tokenize the same either way.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tformer.interop.keys import InteropError
+
+NAMES = {  # GGUF tensor name (per layer: blk.{i}.) -> Hugging Face's
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+CONTROL = 3  # tokenizer.ggml.token_type of special (control) tokens
+
+
+def unpermute(weight: Tensor, heads: int) -> Tensor:
+    """Undo llama.cpp's ``permute``: per head, rows ``(j, half)`` back to ``(half, j)``: ``(H*D, C) -> (H*D, C)``."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute(weight: Tensor, heads: int) -> Tensor:
+    """llama.cpp's ``permute`` (the inverse of :func:`unpermute`)."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class GGUFFile:
+    """The metadata and tensors of a GGUF file."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as err:  # the reader raises ValueError, struct.error, ... for a damaged file
+            raise InteropError(f"{path}: not a readable GGUF file: {err}") from None
+        self.path = path
+
+    def field(self, name: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(name)
+        if f is None:
+            return default
+        return f.contents()
+
+    def required(self, name: str) -> Any:
+        value = self.field(name)
+        if value is None:
+            raise InteropError(f"{self.path}: the metadata lacks {name}")
+        return value
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor, dequantized to float32, in torch's ``(out, in)`` layout."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        out = {}
+        for t in self.reader.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                array = (
+                    np.asarray(t.data, dtype=np.float32)
+                    if t.tensor_type != GGMLQuantizationType.BF16
+                    else (dequantize(t.data, t.tensor_type))
+                )
+            else:
+                try:
+                    array = dequantize(t.data, t.tensor_type)
+                except NotImplementedError:
+                    raise InteropError(
+                        f"{self.path}: {t.name} is stored as {t.tensor_type.name}, which the gguf "
+                        "package cannot dequantize"
+                    ) from None
+            out[t.name] = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a copy: writable
+        return out
+
+
+def hf_config(file: GGUFFile) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face Llama model with the file's hyper-parameters."""
+    arch = file.required("general.architecture")
+    if arch != "llama":
+        raise InteropError(
+            f"{file.path}: general.architecture={arch!r} is not supported: tformer reads GGUF files of "
+            "the llama architecture"
+        )
+    d_model, heads = int(file.required("llama.embedding_length")), int(file.required("llama.attention.head_count"))
+    rope_dims = file.field("llama.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != d_model // heads:
+        raise InteropError(
+            f"{file.path}: llama.rope.dimension_count={rope_dims} is not supported: tformer rotates "
+            f"whole heads of {d_model // heads}"
+        )
+    scaling = file.field("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise InteropError(
+            f"{file.path}: llama.rope.scaling.type={scaling!r} is not supported: tformer implements "
+            "the unscaled RoPE only"
+        )
+    tokens = file.field("tokenizer.ggml.tokens")
+    names = {t.name for t in file.reader.tensors}
+    return {
+        "model_type": "llama",
+        "vocab_size": int(file.field("llama.vocab_size") or len(tokens or ())),
+        "hidden_size": d_model,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(file.field("llama.attention.head_count_kv", heads)),
+        "num_hidden_layers": int(file.required("llama.block_count")),
+        "intermediate_size": int(file.required("llama.feed_forward_length")),
+        "max_position_embeddings": int(file.field("llama.context_length", 2048)),
+        "rope_theta": float(file.field("llama.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(file.field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": file.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": file.field("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": file.field("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def hf_tensors(file: GGUFFile, config: dict[str, Any]) -> dict[str, Tensor]:
+    """The file's tensors under Hugging Face's names, Q and K rows in Hugging Face's order."""
+    out = {}
+    for name, tensor in file.tensors().items():
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        base = match.group(2) if match else name
+        if base not in NAMES:
+            raise InteropError(f"{file.path}: the tensor {name} has no place in a llama model")
+        hf_name = f"model.layers.{match.group(1)}.{NAMES[base]}" if match else NAMES[base]
+        if base == "attn_q.weight":
+            tensor = unpermute(tensor, config["num_attention_heads"])
+        elif base == "attn_k.weight":
+            tensor = unpermute(tensor, config["num_key_value_heads"])
+        out[hf_name] = tensor
+    return out
+
+
+def tokenizer(file: GGUFFile, config: dict[str, Any]):
+    """The file's byte-level BPE tokenizer (``tokenizer.ggml.model = "gpt2"``), or ``None`` without one."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from tformer.interop.tokenizer import HFTokenizer
+
+    kind = file.field("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise InteropError(
+            f"{file.path}: tokenizer.ggml.model={kind!r} is not supported: tformer builds byte-level "
+            "BPE ('gpt2') tokenizers from GGUF metadata"
+        )
+    pre = file.field("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    splits = {
+        "default": byte_level,
+        "gpt2": byte_level,
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+    }
+    if pre not in splits:
+        raise InteropError(
+            f"{file.path}: tokenizer.ggml.pre={pre!r} is not supported: tformer knows {', '.join(splits)}"
+        )
+    tokens = list(file.required("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in file.required("tokenizer.ggml.merges")]
+    hf = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    hf.pre_tokenizer = splits[pre]
+    hf.decoder = decoders.ByteLevel()
+    hf.post_processor = processors.ByteLevel(trim_offsets=False)
+    types = list(file.field("tokenizer.ggml.token_type", ()))
+    hf.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if int(t) == CONTROL]
+    )
+    bos, eos, pad = config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]
+    if file.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        hf.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
+    return HFTokenizer(hf, bos_id=bos, eos_id=eos, pad_id=pad)
+
+
+CACHE_VERSION = 1
+
+
+def convert_gguf(path: Path, out: Path) -> Path:
+    """Write the Hugging Face model directory of the GGUF file ``path`` at ``out``: ``config.json``,
+    ``model.safetensors`` (dequantized, float32, Hugging Face's names and Q/K order), ``tokenizer.json`` and
+    ``generation_config.json``. What ``transformers`` would load from the file, in its own format."""
+    from tformer.interop import family_of
+    from tformer.interop.hf import write_directory
+
+    file = GGUFFile(path)
+    config = hf_config(file)
+    cfg = family_of(config, str(path)).config(config, str(path))  # refuses unsupported settings before any work
+    tensors = hf_tensors(file, config)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    hf_cfg = {
+        **{k: v for k, v in config.items() if v is not None},
+        "architectures": ["LlamaForCausalLM"],
+        "head_dim": cfg.head_dim,
+        "dtype": "float32",
+    }
+    return write_directory(out, hf_cfg, tensors, generation, tokenizer(file, config))
+
+
+def cached_directory(path: Path) -> Path:
+    """The converted directory of ``path`` in tformer's cache (``$TFORMER_CACHE``, else ``~/.cache/tformer``),
+    converted on first use: a second load reads safetensors instead of dequantizing again."""
+    import hashlib
+
+    from tformer.training.corpus import default_cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{CACHE_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    folder = default_cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if not (folder / "config.json").is_file():
+        convert_gguf(path, folder)
+    return folder
+
+
+def load_gguf(path: Path):
+    """A :class:`tformer.interop.Pretrained` of a GGUF file: a :class:`tformer.DecoderLM` in float32 (through the
+    cached conversion of :func:`cached_directory`; without a writable cache, converted in a temporary folder)."""
+    import tempfile
+
+    from tformer.interop import _load_directory
+
+    try:
+        folder = cached_directory(path)
+    except OSError:  # no writable cache: convert for this load only
+        with tempfile.TemporaryDirectory() as tmp:
+            pretrained = _load_directory(convert_gguf(path, Path(tmp) / "model"))
+            pretrained.path = path
+            return pretrained
+    pretrained = _load_directory(folder)
+    pretrained.path, pretrained.family = path, "llama"
+    return pretrained

@@ -1,0 +1,124 @@
+"""Hugging Face model directories: ``config.json``, ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), ``generation_config.json`` and ``tokenizer.json``, read with clear errors and
+written atomically (into a temporary folder, then renamed: a failed export leaves nothing behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tformer.interop.family import GenerationIds
+from tformer.interop.keys import InteropError
+
+CONFIG, WEIGHTS, INDEX, GENERATION = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    ("generation_config.json"),
+)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InteropError(f"{path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InteropError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise InteropError(f"{path}: expected a JSON object")
+    return data
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory: one file, or the shards its index lists."""
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    if (directory / INDEX).is_file():
+        index = read_json(directory / INDEX).get("weight_map")
+        if not isinstance(index, dict) or not index:
+            raise InteropError(f'{directory / INDEX}: no "weight_map" of tensor names to shard files')
+        shards = sorted(set(index.values()))
+        if any("/" in s or "\\" in s or s in ("", ".", "..") for s in shards):
+            raise InteropError(f"{directory / INDEX}: shard names must be plain file names in the directory")
+        return [directory / s for s in shards]
+    raise InteropError(f"{directory}: no {WEIGHTS} or {INDEX} (a Hugging Face model directory holds its weights)")
+
+
+def read_tensors(directory: Path) -> dict[str, Tensor]:
+    """Every tensor of the directory's weight files, as stored (dtype included)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Tensor] = {}
+    for path in weight_files(directory):
+        if not path.is_file():
+            raise InteropError(f"{path}: no such file (listed in {INDEX})")
+        try:
+            tensors.update(load_file(str(path), device="cpu"))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise InteropError(f"{path}: cannot read the weights (truncated or not safetensors?): {err}") from None
+    return tensors
+
+
+def file_dtype(tensors: dict[str, Tensor]) -> torch.dtype:
+    """The floating dtype most of the tensors are stored in."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def generation_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> GenerationIds:
+    """The special ids: ``generation_config.json`` first, then ``config.json``."""
+    merged = {**config, **(generation or {})}
+
+    def one(name: str) -> int | None:
+        value = merged.get(name)
+        return value[0] if isinstance(value, list) and value else value
+
+    return GenerationIds(
+        one("bos_token_id"), _ids(merged.get("eos_token_id")), one("pad_token_id"), one("decoder_start_token_id")
+    )
+
+
+def write_directory(
+    path: Path, config: dict[str, Any], tensors: dict[str, Tensor], generation: dict[str, Any], tokenizer: Any | None
+) -> Path:
+    """Write a model directory at ``path`` (which must not exist, or be empty) in one rename."""
+    from safetensors.torch import save_file
+
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise InteropError(f"{path}: already exists and is not an empty folder; choose another path or delete it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if generation:
+            (tmp / GENERATION).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if path.exists():
+            path.rmdir()
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
