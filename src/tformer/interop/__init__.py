@@ -29,8 +29,8 @@ from tformer.interop.gpt2 import GPT2
 from tformer.interop.keys import InteropError
 from tformer.interop.llama import Llama, Mistral, Qwen2
 from tformer.interop.marian import Marian
-from tformer.interop.tokenizer import TOKENIZER_JSON, HFTokenizer
 from tformer.models import DecoderLM, Encoder, EncoderDecoder, pad_right
+from tformer.training.tokenizers import TOKENIZER_FILE, HFTokenizer
 
 FAMILIES: dict[str, Family] = {
     t: f for f in (GPT2(), Bert(), Llama(), Qwen2(), Mistral(), Marian()) for t in f.model_types
@@ -115,9 +115,9 @@ def _load_directory(path: Path) -> Pretrained:
     generation_file = path / hf.GENERATION
     generation = hf.generation_ids(config, hf.read_json(generation_file) if generation_file.is_file() else None)
     tokenizer = None
-    if (path / TOKENIZER_JSON).is_file():
+    if (path / TOKENIZER_FILE).is_file():
         tokenizer = HFTokenizer.from_file(
-            path / TOKENIZER_JSON, bos_id=generation.bos, eos_id=generation.eos_id, pad_id=generation.pad
+            path / TOKENIZER_FILE, bos_id=generation.bos, eos_id=generation.eos_id, pad_id=generation.pad
         )
     max_length = None
     if (path / "sentence_bert_config.json").is_file():

@@ -167,7 +167,7 @@ def tokenizer(file: GGUFFile, config: dict[str, Any]):
     """The file's byte-level BPE tokenizer (``tokenizer.ggml.model = "gpt2"``), or ``None`` without one."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    from tformer.interop.tokenizer import HFTokenizer
+    from tformer.training.tokenizers import HFTokenizer
 
     kind = file.field("tokenizer.ggml.model")
     if kind is None:

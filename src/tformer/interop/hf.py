@@ -114,7 +114,7 @@ def write_directory(
         if generation:
             (tmp / GENERATION).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:
-            tokenizer.save(tmp)
+            tokenizer.save_pretrained(tmp)
         if path.exists():
             path.rmdir()
         tmp.rename(path)

@@ -282,6 +282,72 @@ class BPETokenizer(Tokenizer):
         return {**super().to_dict(), "hf": json.loads(self._hf.to_str())}
 
 
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` with the special ids generation needs (``bos_id``, ``eos_id``, ``pad_id``)."""
+
+    kind = "hf"
+
+    def __init__(self, hf: Any, *, bos_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None):
+        hf.no_padding()
+        hf.no_truncation()
+        self._hf = hf
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **ids: int | None) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)), **ids)
+        except Exception as err:  # the library raises a bare Exception for malformed files
+            raise ValueError(f"{path}: not a tokenizers file (tokenizer.json): {err}") from None
+
+    @property
+    def hf(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``, with the post-processor's special tokens (BERT's ``[CLS]``/``[SEP]``; none for GPT-2)
+        unless ``add_special_tokens=False``: what ``transformers.AutoTokenizer.encode`` gives."""
+        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token(self, i: int) -> str | None:
+        """The piece of id ``i`` as the vocabulary spells it (byte-level pieces show spaces as ``Ġ``)."""
+        return self._hf.id_to_token(i)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``directory/tokenizer.json`` in Hugging Face's format (what ``transformers`` reads)."""
+        path = Path(directory) / TOKENIZER_FILE
+        path.write_text(self._hf.to_str(), encoding="utf-8")
+        return path
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self._hf.to_str().encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "tformer-tokenizer",
+            "version": 1,
+            "kind": "hf",
+            "hf": json.loads(self._hf.to_str()),
+            "ids": {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id},
+        }
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, pad={self.pad_id})"
+
+
 def build_tokenizer(
     kind: TokenizerKind,
     texts: Iterable[str] | None = None,
@@ -312,13 +378,17 @@ def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokeniz
             return ByteTokenizer(specials)
         if kind == "char":
             return CharTokenizer(data["chars"], specials, data["unknown"])
-        if kind == "bpe":
-            from tokenizers import Tokenizer as HFTokenizer
+        if kind in ("bpe", "hf"):
+            from tokenizers import Tokenizer as Library
 
-            return BPETokenizer(HFTokenizer.from_str(json.dumps(data["hf"])), specials)
+            inner = Library.from_str(json.dumps(data["hf"]))
+            if kind == "hf":
+                ids = data.get("ids", {})
+                return HFTokenizer(inner, bos_id=ids.get("bos"), eos_id=ids.get("eos"), pad_id=ids.get("pad"))
+            return BPETokenizer(inner, specials)
     except (KeyError, TypeError, Exception) as err:
         raise ValueError(f"{source}: malformed {kind} tokenizer: {type(err).__name__}: {err}") from err
-    raise ValueError(f"{source}: unknown tokenizer kind {kind!r}; expected 'byte', 'char' or 'bpe'")
+    raise ValueError(f"{source}: unknown tokenizer kind {kind!r}; expected 'byte', 'char', 'bpe' or 'hf'")
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
