@@ -1,8 +1,8 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
 Layers of the package (dependencies point one way):
-    config, functional (tensor math) <- attention <- layers <- models <- generation <- training <- experiments,
-    claims <- cli (tests/test_layout.py holds it).
+    config, functional (tensor math) <- attention <- positions, layers <- models <- generation <- training <-
+    interop (Hugging Face and GGUF checkpoints), experiments, claims <- cli (tests/test_layout.py holds it).
 
 Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
 tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.
@@ -66,6 +66,10 @@ _EXPORTS = {
     "TrainConfig": "tformer.training.config",
     "TrainResult": "tformer.training.config",
     "train": "tformer.training.trainer",
+    "Pretrained": "tformer.interop",
+    "embed": "tformer.interop",
+    "load_pretrained": "tformer.interop",
+    "save_pretrained": "tformer.interop",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -90,6 +94,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer.config import TransformerConfig
     from tformer.generation.sampling import generate
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq
+    from tformer.interop import Pretrained, embed, load_pretrained, save_pretrained
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
     from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint

@@ -30,6 +30,8 @@ COMMAND_MODULES = [
     "tformer.cli.experiments",
     "tformer.cli.sample",
     "tformer.cli.translate",
+    "tformer.cli.embed",
+    "tformer.cli.convert",
 ]
 DESCRIPTION = "The tformer command line: train, sample and study Transformers. tformer COMMAND --help lists its flags."
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"

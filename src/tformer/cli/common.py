@@ -1,15 +1,76 @@
-"""What the commands that load a checkpoint share: loading it (and naming a good older one when the newest is
-damaged), and turning bad input into one line on stderr with exit code 2."""
+"""What the commands that load a model share: loading a tformer run (and naming a good older checkpoint when the
+newest is damaged), a Hugging Face directory or a GGUF file alike, and turning bad input into one line on stderr
+with exit code 2."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+OTHER_COMMAND = {"lm": "sample", "seq2seq": "translate", "encoder": "embed"}
 
 
-def load_run(path: str, kind: str, device: str, command: str):
-    """The checkpoint at ``path`` (a checkpoint or a run directory) on ``device``, which must hold a ``kind`` model."""
+@dataclass
+class Loaded:
+    """A model ready for a command: its tokenizer, the ids that end (``eos``, any of them) and start (``start``: the
+    decoder's first token of a seq2seq model) generation, and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    path: Path
+    eos: tuple[int, ...]
+    start: int | None
+
+
+def is_pretrained(path: str) -> bool:
+    """``path`` is a GGUF file or a Hugging Face model directory (else: a tformer run or checkpoint)."""
+    p = Path(path)
+    return (p.suffix == ".gguf" and not p.is_dir()) or (p / "config.json").is_file()
+
+
+def torch_dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+def load_model(path: str, kind: str, device: str, command: str, dtype: str | None = None) -> Loaded:
+    """The model at ``path`` (a tformer run or checkpoint, a Hugging Face directory or a ``.gguf`` file) on
+    ``device``, in ``dtype`` (``None``: as saved); it must be a ``kind`` model and have a tokenizer."""
+    from tformer.training.runtime import resolve_device
+
+    if not is_pretrained(path):
+        ckpt = load_run(path, kind, device, command)
+        if dtype is not None:
+            ckpt.model.to(torch_dtype(dtype))
+        tok, gen = ckpt.tokenizer, ckpt.train_config.get("generation") or {}  # a converted model's special ids
+        eos = tuple(gen.get("eos") or (() if tok.eos_id is None else (tok.eos_id,)))
+        start = gen.get("decoder_start" if kind == "seq2seq" else "bos")
+        return Loaded(ckpt.model, tok, ckpt.path, eos, tok.bos_id if start is None else start)
+    from tformer.interop import MODEL_CLASSES, load_pretrained
+
+    pretrained = load_pretrained(path, dtype=torch_dtype(dtype), device=resolve_device(device))
+    held = next(k for k, cls in MODEL_CLASSES.items() if type(pretrained.model) is cls)
+    if held != kind:
+        raise ValueError(
+            f"{path} holds {'an' if held == 'encoder' else 'a'} {held!r} model ({pretrained.family}); "
+            f"`tformer {command}` needs {kind!r} (use `tformer {OTHER_COMMAND[held]}`)"
+        )
+    if pretrained.tokenizer is None:
+        raise ValueError(f"{path}: no tokenizer.json beside the weights; `tformer {command}` needs one to read text")
+    gen = pretrained.generation
+    eos = gen.eos or (() if pretrained.tokenizer.eos_id is None else (pretrained.tokenizer.eos_id,))
+    start = gen.decoder_start if kind == "seq2seq" else gen.bos
+    return Loaded(pretrained.model, pretrained.tokenizer, Path(path), tuple(eos), start)
+
+
+def load_run(path: str, kind: str | None, device: str, command: str):
+    """The checkpoint at ``path`` (a checkpoint or a run directory) on ``device``, which must hold a ``kind`` model
+    (``None``: any)."""
     from tformer.training.checkpoint import CheckpointError, load_checkpoint
     from tformer.training.runtime import resolve_device
 
@@ -17,8 +78,8 @@ def load_run(path: str, kind: str, device: str, command: str):
         ckpt = load_checkpoint(path, map_location=resolve_device(device))
     except CheckpointError as err:
         raise _damaged_latest_error(path, err) from err
-    if ckpt.kind != kind:
-        other = "translate" if kind == "lm" else "sample"
+    if kind is not None and ckpt.kind != kind:
+        other = OTHER_COMMAND[ckpt.kind]
         raise ValueError(
             f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} (use `tformer {other}`)"
         )

@@ -1,7 +1,8 @@
 """``tformer sample``: a thin skin over :func:`tformer.generation.text.sample_to` for a saved checkpoint.
 
-``tformer sample --checkpoint DIR --prompt TEXT`` prints the prompt, then streams the continuation of a language
-model to stdout as tokens are made.
+``tformer sample --checkpoint PATH --prompt TEXT`` prints the prompt, then streams the continuation of a language
+model to stdout as tokens are made. ``PATH``: a tformer run or checkpoint, a Hugging Face model directory (GPT-2,
+Llama, Qwen2, Mistral) or a ``.gguf`` file.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tformer.cli.common import load_run, report_errors
+from tformer.cli.common import DTYPES, load_model, report_errors
 from tformer.generation.sampling import check_sampling_args, row_seeds
 from tformer.generation.text import DEFAULT_NEW_TOKENS, sample_to
 
@@ -21,7 +22,11 @@ def add_cli(subparsers) -> None:
         description="Sample from a language-model checkpoint. Tokens are printed as they are made; text that could "
         "begin a --stop string is held back until it cannot.",
     )
-    p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a training run or checkpoint directory, a Hugging Face model directory, or a .gguf file",
+    )
     p.add_argument("--prompt", required=True, help="the text to continue (must encode to at least one token)")
     more = (
         f"tokens to generate (default {DEFAULT_NEW_TOKENS}); a model with learned positions sees a sliding "
@@ -41,6 +46,7 @@ def add_cli(subparsers) -> None:
         help="end when the generated text contains STR (not printed); repeatable",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
     p.set_defaults(func=_run_sample)
 
 
@@ -48,13 +54,14 @@ def _run_sample(args: argparse.Namespace) -> int:
     def run() -> int:
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
         row_seeds(args.seed, 1)
-        ckpt = load_run(args.checkpoint, "lm", args.device, "sample")
+        loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         sample_to(
             sys.stdout,
-            ckpt.model,
-            ckpt.tokenizer,
+            loaded.model,
+            loaded.tokenizer,
             args.prompt,
             max_new_tokens=args.max_new_tokens,
+            eos_id=loaded.eos,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,

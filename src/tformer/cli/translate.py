@@ -1,6 +1,7 @@
 """``tformer translate``: a thin skin over :func:`tformer.generation.text.translate_lines` for a saved checkpoint.
 
-``tformer translate --checkpoint DIR`` reads source lines from stdin and prints one output line per input line
+``tformer translate --checkpoint PATH`` (a tformer run or checkpoint, or a Hugging Face Marian directory with a
+``tokenizer.json``) reads source lines from stdin and prints one output line per input line
 (beam search; ``--beam-size 1 --length-penalty 0`` is greedy); a line it cannot translate (not valid UTF-8, a
 character the tokenizer does not know, too long) gives an empty output line, a message on stderr and, at the end,
 exit code 1.
@@ -13,7 +14,7 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 
-from tformer.cli.common import load_run, report_errors
+from tformer.cli.common import DTYPES, load_model, report_errors
 from tformer.generation.text import translate_lines
 
 
@@ -26,7 +27,11 @@ def add_cli(subparsers) -> None:
         "or longer than the model's learned positions) gives an empty line and a message 'line N: reason' on stderr; "
         "the other lines are still translated, and the exit code is then 1 (0 when every line was translated).",
     )
-    t.add_argument("--checkpoint", required=True, help="a checkpoint directory or a training run directory")
+    t.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a training run or checkpoint directory, or a Hugging Face Marian directory with a tokenizer.json",
+    )
     t.add_argument("--beam-size", type=int, default=4, help="beams per source (default 4; 1 = greedy)")
     alpha = "GNMT alpha: score log P / ((5 + |Y|)/6)^alpha (default 0.6; 0 = plain log-probability)"
     t.add_argument("--length-penalty", type=float, default=0.6, help=alpha)
@@ -40,6 +45,7 @@ def add_cli(subparsers) -> None:
         "--batch-size", type=int, default=32, help="lines decoded together when stdin is not a terminal (default 32)"
     )
     t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
+    t.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
     t.set_defaults(func=_run_translate)
 
 
@@ -97,21 +103,26 @@ def _run_translate(args: argparse.Namespace) -> int:
     def run() -> int:
         _check_translate_args(args)
         lines = _stdin_lines()
-        ckpt = load_run(args.checkpoint, "seq2seq", args.device, "translate")
-        if ckpt.tokenizer.bos_id is None or ckpt.tokenizer.eos_id is None:
-            raise ValueError(f"{ckpt.path}: the tokenizer has no <bos>/<eos> tokens; it is not a seq2seq tokenizer")
+        loaded = load_model(args.checkpoint, "seq2seq", args.device, "translate", args.dtype)
+        if loaded.start is None or not loaded.eos:
+            raise ValueError(
+                f"{loaded.path}: no start (<bos> or decoder_start_token_id) or end (<eos>) token; it is not a "
+                "seq2seq model's tokenizer"
+            )
         size = 1 if sys.stdin.isatty() else args.batch_size  # at a terminal answer each line at once
         done, failed = 0, 0  # input lines read before this chunk; lines that could not be translated
         for chunk in _chunks(lines, size):
             errors = {i: item for i, item in enumerate(chunk) if isinstance(item, ValueError)}  # undecodable
             texts = ["" if isinstance(item, ValueError) else item for item in chunk]
             outputs = translate_lines(
-                ckpt.model,
-                ckpt.tokenizer,
+                loaded.model,
+                loaded.tokenizer,
                 texts,
                 beam_size=args.beam_size,
                 length_penalty=args.length_penalty,
                 max_new_tokens=args.max_new_tokens,
+                start_id=loaded.start,
+                eos_id=loaded.eos[0],
                 on_error=errors.__setitem__,
             )
             for i in sorted(errors):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tformer.generation.stopping import Stopper, TextDecoder
+from tformer.generation.stopping import Stopper, TextDecoder, eos_ids
 from tformer.models import DecoderLM, pad_left
 
 NEG_INF = float("-inf")
@@ -320,7 +320,7 @@ def generate(
     greedy: bool = False,
     seed: int | Sequence[int] | None = None,
     stop: Sequence[str | Sequence[int]] | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     tokenizer: TextDecoder | None = None,
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
@@ -341,8 +341,8 @@ def generate(
             change what a row samples, as long as its logits agree (they do up to float rounding, ~1e-6 in
             float32; a token can differ only if a draw falls within that rounding of a probability boundary).
             Greedy decoding is deterministic and batch-independent in the same sense.
-        stop, eos_id, tokenizer: end a row at ``eos_id``, at a stop sequence of ids, or at a stop string
-            (needs ``tokenizer``); the stop itself is dropped from the output (see :class:`Stopper`).
+        stop, eos_id, tokenizer: end a row at ``eos_id`` (an id or a list of ids), at a stop sequence of ids, or
+            at a stop string (needs ``tokenizer``); the stop itself is dropped from the output (see :class:`Stopper`).
         use_cache: ``False`` recomputes the whole sequence each step (reference and benchmarks).
         on_token: ``on_token(row, token_id)`` is called for each output token, in order, as soon as no stop
             can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
@@ -362,8 +362,9 @@ def generate(
         raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")
     check_sampling_args(temperature, top_k, top_p, greedy)
     prompts = _prompt_lists(prompt_ids, cfg.vocab_size)
-    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-        raise ValueError(f"eos_id={eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    for e in sorted(eos_ids(eos_id)):
+        if not 0 <= e < cfg.vocab_size:
+            raise ValueError(f"eos_id={e} is outside the vocabulary [0, {cfg.vocab_size})")
     stopper = Stopper(stop, eos_id, tokenizer)
     B = len(prompts)
     seeds = row_seeds(seed, B)

@@ -16,20 +16,30 @@ class TextDecoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def eos_ids(eos_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The end-of-sequence ids of ``eos_id``: none, one, or several (models such as Llama 3 end at any of a list)."""
+    if eos_id is None:
+        return frozenset()
+    return frozenset([int(eos_id)] if isinstance(eos_id, int) else (int(e) for e in eos_id))
+
+
 class Stopper:
     """When a row's generated tokens end generation, and which of them may already be shown.
 
-    A row ends at ``eos_id``, at a stop sequence of token ids, or when its generated text contains a stop
-    string (text stops need a tokenizer; only the generated text is searched, not the prompt). The EOS and
-    the stop sequence/string are not part of the output. A stop string is cut on token boundaries: the kept
-    tokens are the longest prefix whose text ends before the stop string, so with multi-character tokens the
-    text of a token that straddles the stop string's start is lost with it.
+    A row ends at ``eos_id`` (one id, or several: any of them ends it), at a stop sequence of token ids, or when
+    its generated text contains a stop string (text stops need a tokenizer; only the generated text is searched,
+    not the prompt). The EOS and the stop sequence/string are not part of the output. A stop string is cut on
+    token boundaries: the kept tokens are the longest prefix whose text ends before the stop string, so with
+    multi-character tokens the text of a token that straddles the stop string's start is lost with it.
     """
 
     def __init__(
-        self, stop: Sequence[str | Sequence[int]] | None, eos_id: int | None, tokenizer: TextDecoder | None = None
+        self,
+        stop: Sequence[str | Sequence[int]] | None,
+        eos_id: int | Sequence[int] | None,
+        tokenizer: TextDecoder | None = None,
     ) -> None:
-        self.eos_id = eos_id
+        self.eos_ids = eos_ids(eos_id)
         self.id_stops: list[list[int]] = []
         self.text_stops: list[str] = []
         for item in stop or ():
@@ -48,7 +58,7 @@ class Stopper:
 
     @property
     def active(self) -> bool:
-        return self.eos_id is not None or bool(self.id_stops or self.text_stops)
+        return bool(self.eos_ids) or bool(self.id_stops or self.text_stops)
 
     def _within(self, tokens: list[int], chars: int) -> int:
         """The longest prefix of ``tokens`` whose text is at most ``chars`` characters long."""
@@ -59,7 +69,7 @@ class Stopper:
 
     def end(self, tokens: list[int]) -> int | None:
         """``None`` while generation goes on; else how many of ``tokens`` the output keeps."""
-        if self.eos_id is not None and tokens[-1] == self.eos_id:
+        if tokens[-1] in self.eos_ids:
             return len(tokens) - 1
         for seq in self.id_stops:
             if tokens[-len(seq) :] == seq:

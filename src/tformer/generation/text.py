@@ -4,7 +4,7 @@ encoder-decoder (``tformer translate``), on any tokenizer with ``encode``/``deco
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TextIO
 
 from tformer.generation.sampling import generate
@@ -61,11 +61,13 @@ def sample_to(
     prompt: str,
     *,
     max_new_tokens: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     **sampling,
 ) -> list[int]:
     """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
     Bad settings raise ``ValueError`` before anything is written. ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``.
-    A tokenizer with an ``eos_id`` ends the text there; ``sampling``: the other arguments of ``generate``."""
+    The text ends at ``eos_id`` (one id or several; ``None``: the tokenizer's ``eos_id``, if it has one);
+    ``sampling``: the other arguments of ``generate``."""
     ids = tokenizer.encode(prompt)
     if not ids and prompt:  # only a char tokenizer built with unknown='skip' drops characters
         raise ValueError(
@@ -82,7 +84,7 @@ def sample_to(
         [ids],
         max_new_tokens=max_new_tokens,
         tokenizer=tokenizer,
-        eos_id=getattr(tokenizer, "eos_id", None),
+        eos_id=getattr(tokenizer, "eos_id", None) if eos_id is None else eos_id,
         on_token=lambda _row, tok: stream.push(tok),
         **sampling,
     )[0]
@@ -100,10 +102,13 @@ def translate_lines(
     beam_size: int = 4,
     length_penalty: float = 0.6,
     max_new_tokens: int | None = None,
+    start_id: int | None = None,
+    eos_id: int | None = None,
     on_error: Callable[[int, ValueError], None] | None = None,
 ) -> list[str]:
     """Beam-search outputs of ``lines`` (one string each; an empty line gives ``""``); ``max_new_tokens=None``
-    allows the model's ``max_seq_len`` tokens.
+    allows the model's ``max_seq_len`` tokens. The decoder starts from ``start_id`` and ends at ``eos_id``
+    (``None``: the tokenizer's ``bos_id`` and ``eos_id``; Marian models start from their pad id).
 
     A line that cannot be translated (the tokenizer rejects a character, or it has more tokens than the
     encoder's learned positions) raises ``ValueError``; with ``on_error`` it gives ``""`` instead and
@@ -138,8 +143,8 @@ def translate_lines(
         beam_size=beam_size,
         length_penalty=length_penalty,
         max_new_tokens=limit,
-        bos_id=tokenizer.bos_id,
-        eos_id=tokenizer.eos_id,
+        bos_id=tokenizer.bos_id if start_id is None else start_id,
+        eos_id=tokenizer.eos_id if eos_id is None else eos_id,
     )
     for row, i in enumerate(present):
         outputs[i] = tokenizer.decode(decoded[row])

@@ -1,0 +1,109 @@
+"""``tformer convert SRC --out DIR``: between tformer runs, Hugging Face model directories and GGUF files.
+
+* a ``.gguf`` file -> a Hugging Face directory (dequantized weights, Hugging Face's names and Q/K order);
+* a tformer run or checkpoint -> a Hugging Face directory (:func:`tformer.save_pretrained`: its config must map onto
+  a family);
+* a Hugging Face directory -> a tformer run (``DIR/checkpoints/step-000000``, weights only), which ``tformer sample``
+  and ``tformer translate`` read like any run. Its ``train_config`` records the source and its special ids.
+
+``DIR`` must not exist or be empty; a failed conversion leaves nothing there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tformer.cli.common import DTYPES, is_pretrained, load_run, report_errors, torch_dtype
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a GGUF file or a tformer run to a Hugging Face directory, or a Hugging Face directory to a run",
+        description="GGUF file -> Hugging Face directory; tformer run -> Hugging Face directory; Hugging Face "
+        "directory -> tformer run. --out must not exist or be an empty folder; nothing is written on error.",
+    )
+    p.add_argument("src", help="a .gguf file, a tformer run or checkpoint directory, or a Hugging Face directory")
+    p.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as read)")
+    p.set_defaults(func=_run_convert)
+
+
+def _check_out(out: str) -> Path:
+    path = Path(out)
+    if not out:
+        raise ValueError("--out must name a directory")
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"--out {out} already exists and is not an empty folder; choose another path or delete it")
+    return path
+
+
+def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
+    """Convert ``src`` into ``out``; returns the path written and what it now holds, in words."""
+    from tformer.interop import load_pretrained, save_pretrained
+
+    path = _check_out(out)
+    if not Path(src).exists():
+        raise ValueError(f"{src}: no such file or directory")
+    if Path(src).suffix == ".gguf" and dtype in (None, "float32"):
+        from tformer.interop.gguf import convert_gguf
+
+        return convert_gguf(Path(src), path), "a Hugging Face model directory (float32)"
+    if is_pretrained(src):
+        pretrained = load_pretrained(src, dtype=torch_dtype(dtype))
+        if Path(src).suffix == ".gguf":
+            save_pretrained(pretrained.model, path, tokenizer=pretrained.tokenizer, generation=pretrained.generation)
+            return path, f"a Hugging Face model directory ({dtype})"
+        return _to_run(pretrained, path), "a tformer run"
+    ckpt = load_run(src, None, "cpu", "convert")
+    if dtype is not None:
+        ckpt.model.to(torch_dtype(dtype))
+    save_pretrained(ckpt.model, path, tokenizer=ckpt.tokenizer)
+    if not (path / "tokenizer.json").is_file():
+        print(
+            f"tformer convert: note: the run's {ckpt.tokenizer.kind} tokenizer has no tokenizer.json form "
+            "(only BPE tokenizers do); the directory holds the model alone",
+            file=sys.stderr,
+        )
+    return path, "a Hugging Face model directory"
+
+
+def _to_run(pretrained, path: Path) -> Path:
+    from tformer.interop import MODEL_CLASSES
+    from tformer.training.checkpoint import save_checkpoint
+
+    kind = next(k for k, cls in MODEL_CLASSES.items() if type(pretrained.model) is cls)
+    if kind == "encoder":
+        raise ValueError(
+            f"{pretrained.path} holds an encoder ({pretrained.family}); tformer runs hold language models and "
+            "seq2seq models (use the directory itself with `tformer embed`)"
+        )
+    if pretrained.tokenizer is None:
+        raise ValueError(f"{pretrained.path}: no tokenizer.json; a tformer run needs its tokenizer")
+    gen = pretrained.generation
+    source = {
+        "converted_from": str(pretrained.path),
+        "family": pretrained.family,
+        "generation": {"bos": gen.bos, "eos": list(gen.eos), "pad": gen.pad, "decoder_start": gen.decoder_start},
+    }
+    try:
+        save_checkpoint(
+            path, model=pretrained.model, tokenizer=pretrained.tokenizer, kind=kind, step=0, train_config=source
+        )
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)  # it was absent or empty before
+        raise
+    return path
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    def run() -> int:
+        written, what = convert(args.src, args.out, args.dtype)
+        print(f"wrote {what} to {written}")
+        return 0
+
+    return report_errors("convert", run)

@@ -1,0 +1,62 @@
+"""``tformer embed``: a thin skin over :func:`tformer.interop.embed` for a sentence-embedding model.
+
+``tformer embed --checkpoint DIR`` reads one text per line on stdin (UTF-8) and prints one JSON array (the
+L2-normalized embedding) per line, in order. Every line is read and checked before anything is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tformer.cli.common import DTYPES, report_errors, torch_dtype
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "embed",
+        help="sentence embeddings of stdin's lines (a BERT-family model), one JSON array per line",
+        description="Read one text per line on stdin (UTF-8); print each text's embedding as a JSON array on its own "
+        "line: the encoder's last hidden states mean-pooled over the real tokens and L2-normalized, as "
+        "sentence-transformers computes them. An empty line is embedded as the empty text.",
+    )
+    p.add_argument("--checkpoint", required=True, help="a Hugging Face BERT directory with a tokenizer.json")
+    p.add_argument("--batch-size", type=int, default=32, help="texts encoded together (default 32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    p.set_defaults(func=_run_embed)
+
+
+def read_lines(stream) -> list[str]:
+    """The lines of ``stream`` without their line ends; ``ValueError`` naming the first line that is not UTF-8."""
+    if stream is None:
+        raise ValueError("there is no standard input (stdin is closed); pipe the texts in, one per line")
+    texts = []
+    for number, line in enumerate(getattr(stream, "buffer", stream), start=1):
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"line {number} is not valid UTF-8 (byte at offset {err.start})") from None
+        texts.append(line.rstrip("\r\n"))
+    return texts
+
+
+def _run_embed(args: argparse.Namespace) -> int:
+    def run() -> int:
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
+        from tformer.interop import embed, load_pretrained
+        from tformer.training.runtime import resolve_device
+
+        texts = read_lines(sys.stdin)
+        pretrained = load_pretrained(args.checkpoint, dtype=torch_dtype(args.dtype), device=resolve_device(args.device))
+        for start in range(0, len(texts), args.batch_size):
+            vectors = embed(pretrained, texts[start : start + args.batch_size], batch_size=args.batch_size)
+            for row in vectors.tolist():
+                sys.stdout.write(json.dumps(row) + "\n")
+            sys.stdout.flush()
+        return 0
+
+    return report_errors("embed", run)
