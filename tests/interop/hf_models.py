@@ -35,7 +35,7 @@ LLAMA_SIZES = dict(
     num_key_value_heads=2,
     head_dim=8,
     num_hidden_layers=2,
-    intermediate_size=48,
+    intermediate_size=64,  # rows of 32 and 64 values: whole blocks of GGUF's Q8_0 (tests/interop/gguf_files.py)
     max_position_embeddings=64,
 )
 
@@ -159,11 +159,13 @@ class Batch:
         return (self.mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def padded(lengths: list[int], left: bool, seed: int = 0, vocab: int = VOCAB - 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids below ``vocab`` padded with ``PAD`` on the left or right, and their mask."""
+def padded(
+    lengths: list[int], left: bool, seed: int = 0, vocab: int = VOCAB - 1, pad: int = PAD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids in ``[1, vocab)`` padded with ``pad`` on the left or right, and their mask."""
     g = torch.Generator().manual_seed(seed)
     T = max(lengths)
-    ids = torch.full((len(lengths), T), PAD)
+    ids = torch.full((len(lengths), T), pad)
     mask = torch.zeros(len(lengths), T, dtype=torch.bool)
     for b, n in enumerate(lengths):
         span = slice(T - n, T) if left else slice(0, n)

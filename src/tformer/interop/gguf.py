@@ -10,8 +10,10 @@ Three things differ from a Hugging Face directory, and are undone here:
 
 The tokenizer: ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE) from the file's tokens and merges, with the
 pre-tokenizer that ``tokenizer.ggml.pre`` names. ``transformers``' GGUF loader ignores ``pre`` and splits with GPT-2's
-rule alone; tformer follows the file (as llama.cpp does): for ``smollm`` digits are split one by one first, as in
-SmolLM2's own ``tokenizer.json``. Texts without digits tokenize the same either way.
+rule alone; tformer follows the file, as llama.cpp does: for ``smollm`` every digit is split off first (llama.cpp's
+``\\p{N}`` pass, the ``Digits`` step of SmolLM2's own ``tokenizer.json``), then GPT-2's rule runs on the pieces. The
+ids differ only where a digit follows two or more whitespace characters: ``"x  1"`` is ``x, "ĠĠ", 1`` here and
+``x, "Ġ", "Ġ", 1`` in ``transformers`` (SmolLM2's vocabulary has no token of a digit and anything else).
 """
 
 from __future__ import annotations
@@ -241,7 +243,11 @@ def cached_directory(path: Path) -> Path:
     key = hashlib.sha256(f"{CACHE_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
     folder = default_cache_dir() / "gguf" / f"{path.stem}-{key}"
     if not (folder / "config.json").is_file():
-        convert_gguf(path, folder)
+        try:
+            convert_gguf(path, folder)
+        except (InteropError, OSError):
+            if not (folder / "config.json").is_file():  # not just another process that converted it first
+                raise
     return folder
 
 

@@ -18,12 +18,8 @@ from torch import Tensor
 from tformer.interop.family import GenerationIds
 from tformer.interop.keys import InteropError
 
-CONFIG, WEIGHTS, INDEX, GENERATION = (
-    "config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    ("generation_config.json"),
-)
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+GENERATION = "generation_config.json"
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -111,6 +107,7 @@ def write_directory(
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        shutil.copymode(tmp / CONFIG, tmp / WEIGHTS)  # safetensors writes 0600; the umask's mode, as every file
         if generation:
             (tmp / GENERATION).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:

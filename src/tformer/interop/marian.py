@@ -19,7 +19,7 @@ from tformer.interop.family import (
     reverse_activation,
     setting,
 )
-from tformer.interop.keys import Key, KeyTable, per_layer
+from tformer.interop.keys import InteropError, Key, KeyTable, per_layer
 
 SHARED = "model.shared.weight"
 
@@ -127,6 +127,11 @@ class Marian(Family):
 
     def hf_config(self, cfg: TransformerConfig, generation: GenerationIds) -> dict[str, Any]:
         pad = cfg.pad_id if cfg.pad_id is not None else generation.pad
+        if pad is None:
+            raise InteropError(
+                "Marian's decoder starts from its pad token, and this model has none: set TransformerConfig.pad_id "
+                "or pass a tokenizer with a <pad> token"
+            )
         return {
             "model_type": "marian",
             "architectures": [self.architecture],
@@ -141,12 +146,12 @@ class Marian(Family):
             "decoder_ffn_dim": cfg.d_ff,
             "max_position_embeddings": cfg.max_seq_len,
             "activation_function": reverse_activation(cfg.activation, {"silu": "swish"}),
-            "scale_embedding": bool(cfg.embed_scale),
+            "scale_embedding": True if cfg.embed_scale is None else cfg.embed_scale,  # None: on in a seq2seq model
             "dropout": cfg.dropout,
             "pad_token_id": pad,
             "eos_token_id": generation.eos_id,
             "decoder_start_token_id": generation.decoder_start if generation.decoder_start is not None else pad,
-            "forced_eos_token_id": generation.eos_id,
+            "forced_eos_token_id": None,  # tformer's decoding ends at the length limit as it is: so does HF's then
             "share_encoder_decoder_embeddings": True,
             "tie_word_embeddings": True,
         }

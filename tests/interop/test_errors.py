@@ -1,0 +1,148 @@
+"""Bad input: a missing file, a truncated safetensors file, an unknown ``model_type``, a setting tformer does not
+implement, a tensor that fits nowhere: each an ``InteropError`` naming the file or the field (never an approximated
+model); from the command line one line on stderr, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tformer.cli import main
+from tformer.interop import InteropError, load_pretrained
+
+
+@pytest.fixture
+def gpt2_dir(saved, tmp_path):
+    """A copy of the tiny GPT-2 directory to damage."""
+    return shutil.copytree(saved("gpt2").path, tmp_path / "gpt2")
+
+
+def edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del config[key]
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_files_are_named(tmp_path, gpt2_dir):
+    with pytest.raises(InteropError, match=f"{tmp_path / 'nope'}: no such file or directory"):
+        load_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InteropError, match="no config.json, so not a Hugging Face model directory"):
+        load_pretrained(tmp_path / "empty")
+    (gpt2_dir / "model.safetensors").unlink()
+    with pytest.raises(InteropError, match="no model.safetensors or model.safetensors.index.json"):
+        load_pretrained(gpt2_dir)
+
+
+def test_a_missing_shard_is_named(saved, tmp_path):
+    saved("llama").hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(InteropError, match=f"{shard}: no such file \\(listed in model.safetensors.index.json\\)"):
+        load_pretrained(tmp_path)
+
+
+def test_a_truncated_safetensors_file_is_named(gpt2_dir):
+    weights = gpt2_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(InteropError, match=f"{weights}: cannot read the weights \\(truncated or not safetensors"):
+        load_pretrained(gpt2_dir)
+
+
+def test_a_config_that_is_not_json_is_named(gpt2_dir):
+    (gpt2_dir / "config.json").write_text("{not json")
+    with pytest.raises(InteropError, match="config.json: not valid JSON"):
+        load_pretrained(gpt2_dir)
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "message"),
+    [
+        ("gpt2", {"model_type": "t5"}, "model_type 't5' is not supported; tformer loads gpt2, bert, llama"),
+        ("gpt2", {"n_embd": None}, "config.json lacks 'n_embd'"),
+        ("gpt2", {"activation_function": "quick_gelu"}, "activation_function='quick_gelu' is not supported"),
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not supported"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
+            "rope_type='linear' is not supported: tformer implements the unscaled RoPE only",
+        ),
+        ("llama", {"head_dim": 16}, "head_dim=16 is not supported: tformer's heads are d_model / heads = 8 wide"),
+        ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
+        ("mistral", {"sliding_window": 16}, "sliding_window=16 is not supported"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+        ("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key' is not"),
+        ("marian", {"decoder_layers": 3, "decoder_ffn_dim": 64}, "decoder_ffn_dim=64 is not supported"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(saved, tmp_path, case, changes, message):
+    directory = shutil.copytree(saved(case).path, tmp_path / case)
+    edit_config(directory, **changes)
+    with pytest.raises(InteropError, match=message) as err:
+        load_pretrained(directory)
+    assert str(directory) in str(err.value)
+
+
+def test_tensors_that_fit_nowhere_are_named(gpt2_dir):
+    weights = gpt2_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({**tensors, "transformer.h.0.attn.rotary.weight": torch.zeros(3)}, str(weights))
+    with pytest.raises(InteropError, match="the tensor transformer.h.0.attn.rotary.weight has no place"):
+        load_pretrained(gpt2_dir)
+    save_file({k: v for k, v in tensors.items() if k != "transformer.h.1.ln_2.bias"}, str(weights))
+    with pytest.raises(InteropError, match="the tensor transformer.h.1.ln_2.bias is missing"):
+        load_pretrained(gpt2_dir)
+    save_file(tensors, str(weights))
+    edit_config(gpt2_dir, n_inner=64)  # the file's feed-forward is 48 wide
+    with pytest.raises(InteropError, match=r"give decoder\.stack\.blocks\.0\.ff\.up\.weight the shape \(48, 32\)"):
+        load_pretrained(gpt2_dir)
+
+
+def test_old_gpt2_files_load(saved, tmp_path):
+    """The original release: no ``transformer.`` prefix, the causal-mask buffers stored, no lm_head."""
+    s = saved("gpt2")
+    tensors = load_file(str(s.path / "model.safetensors"))
+    old = {k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}
+    old |= {f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 64, 64)) for i in range(2)}
+    directory = shutil.copytree(s.path, tmp_path / "old")
+    save_file(old, str(directory / "model.safetensors"))
+    a, b = load_pretrained(directory).model.state_dict(), load_pretrained(s.path).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_tied_copy_that_differs_is_refused(gpt2_dir):
+    weights = gpt2_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"] + 1
+    save_file(tensors, str(weights))
+    with pytest.raises(InteropError, match="lm_head.weight differs from transformer.wte.weight"):
+        load_pretrained(gpt2_dir)
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("command", ["sample", "translate", "embed", "convert"])
+def test_the_cli_answers_bad_checkpoints_with_one_line_and_exit_2(gpt2_dir, tmp_path, capsys, monkeypatch, command):
+    edit_config(gpt2_dir, model_type="t5")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a line\n"))
+    args = {
+        "sample": ["sample", "--checkpoint", str(gpt2_dir), "--prompt", "x"],
+        "translate": ["translate", "--checkpoint", str(gpt2_dir)],
+        "embed": ["embed", "--checkpoint", str(gpt2_dir)],
+        "convert": ["convert", str(gpt2_dir), "--out", str(tmp_path / "out")],
+    }[command]
+    assert main(args) == 2
+    assert one_line(capsys).startswith(f"tformer {command}: error: {gpt2_dir / 'config.json'}: model_type 't5'")
+    assert not (tmp_path / "out").exists()
