@@ -1,0 +1,177 @@
+"""The CLI on pretrained models: ``sample``/``translate`` on Hugging Face directories and GGUF files, ``embed`` and
+``convert``. Outputs are compared with ``transformers`` (the reference) or with the library call the command wraps."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import GenerationConfig
+
+from tests.interop.gguf_files import write_llama_gguf
+from tests.interop.hf_models import PAD, VOCAB, padded, tiny_hf
+from tformer import embed, load_pretrained
+from tformer.cli import main
+from tformer.training.checkpoint import load_checkpoint
+
+EOS = 2  # the tiny GGUF vocabulary's <|im_end|>
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, cache):
+    """A tiny Llama GGUF file with a tokenizer, and ``transformers``' model of the same file."""
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_hf("llama-tied", seed=1))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+    return path, reference
+
+
+def cli(capsys, *args: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin.encode()), encoding="utf-8"))
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def hf_continuation(reference, ids: list[int], new: int) -> list[int]:
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    with torch.no_grad():
+        row = reference.generate(input_ids=torch.tensor([ids]), generation_config=config)[0, len(ids) :].tolist()
+    return row[: row.index(EOS)] if EOS in row else row
+
+
+def test_sample_on_a_gguf_file_continues_as_transformers_does(tiny_gguf, capsys):
+    path, reference = tiny_gguf
+    tokenizer = load_pretrained(path).tokenizer
+    code, out, _ = cli(
+        capsys, "sample", "--checkpoint", str(path), "--prompt", "the cat", "--greedy", "--max-new-tokens", "12"
+    )
+    assert code == 0
+    new = hf_continuation(reference, tokenizer.encode("the cat"), 12)
+    assert out == "the cat" + tokenizer.decode(new) + "\n"
+
+
+def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, capsys):
+    path, reference = tiny_gguf
+    ids, mask = padded([7, 4], left=True, vocab=VOCAB, pad=0)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+
+    code, out, _ = cli(capsys, "convert", str(path), "--out", str(tmp_path / "hf"))
+    assert code == 0 and "Hugging Face model directory" in out
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    with torch.no_grad():
+        assert torch.equal(hf_model.eval()(input_ids=ids, attention_mask=mask).logits, expected)
+
+    assert cli(capsys, "convert", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))[0] == 0
+    run = load_checkpoint(tmp_path / "run")
+    assert run.train_config["family"] == "llama" and run.train_config["generation"]["eos"] == [EOS]
+    with torch.no_grad():
+        assert (run.model(ids, mask) - expected)[mask].abs().max() < 1e-4
+    outputs = [
+        cli(capsys, "sample", "--checkpoint", str(src), "--prompt", "an", "--greedy", "--max-new-tokens", "9")
+        for src in (path, tmp_path / "hf", tmp_path / "run")
+    ]
+    assert outputs[0][1] == outputs[1][1] == outputs[2][1] and outputs[0][0] == 0
+
+    assert cli(capsys, "convert", str(tmp_path / "run"), "--out", str(tmp_path / "hf16"), "--dtype", "bfloat16")[0] == 0
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    hf16, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf16", output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    for name, weight in hf_model.state_dict().items():
+        assert torch.equal(hf16.state_dict()[name], weight.to(torch.bfloat16)), name
+
+
+def test_convert_refuses_an_encoder_as_a_run_and_writes_nothing(saved, tmp_path, capsys):
+    code, _, err = cli(capsys, "convert", str(saved("bert").path), "--out", str(tmp_path / "run"))
+    assert code == 2 and "holds an encoder" in err and "tformer embed" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_convert_refuses_a_folder_that_is_not_empty(tiny_gguf, tmp_path, capsys):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    code, _, err = cli(capsys, "convert", str(tiny_gguf[0]), "--out", str(tmp_path / "busy"))
+    assert code == 2 and "already exists and is not an empty folder" in err
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["keep.txt"]
+
+
+def word_tokenizer() -> Tokenizer:
+    """A word-level tokenizer of the tiny Marian's vocabulary: "</s>" (EOS, id 0), "w1".."w59", "<pad>" (60);
+    sources get "</s>" appended, as Marian's tokenizer does."""
+    vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, VOCAB - 1)}, "<pad>": PAD}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 0)])
+    tok.add_special_tokens(["</s>", "<pad>"])
+    return tok
+
+
+def test_translate_on_a_marian_directory_gives_transformers_greedy_output(tmp_path, monkeypatch, capsys):
+    reference = tiny_hf("marian", seed=1).eval()
+    reference.save_pretrained(tmp_path / "marian")
+    word_tokenizer().save(str(tmp_path / "marian" / "tokenizer.json"))
+    lines = ["w3 w17 w5 w9", "w40 w2", "w11 w12 w13 w14 w15 w16"]
+    code, out, _ = cli(
+        capsys,
+        "translate",
+        "--checkpoint",
+        str(tmp_path / "marian"),
+        "--beam-size",
+        "1",
+        "--max-new-tokens",
+        "12",
+        stdin="\n".join(lines) + "\n",
+        monkeypatch=monkeypatch,
+    )
+    assert code == 0
+    tok = word_tokenizer()
+    expected = []
+    config = GenerationConfig(
+        max_new_tokens=12, do_sample=False, num_beams=1, eos_token_id=0, pad_token_id=PAD, decoder_start_token_id=PAD
+    )
+    for line in lines:
+        with torch.no_grad():
+            row = reference.generate(input_ids=torch.tensor([tok.encode(line).ids]), generation_config=config)
+        new = row[0, 1:].tolist()  # after the decoder start
+        expected.append(tok.decode(new[: new.index(0)] if 0 in new else new))
+    assert out.splitlines() == expected, expected
+    assert len({*expected}) == 3 and all(expected)  # different, non-empty outputs for different sources
+
+
+@pytest.mark.slow
+def test_embed_prints_minilms_embeddings_one_json_array_per_line(minilm, minilm_dir, monkeypatch, capsys):
+    texts = ["A man is eating food.", "", "A man is eating a piece of bread."]
+    code, out, _ = cli(
+        capsys, "embed", "--checkpoint", str(minilm_dir), stdin="\n".join(texts) + "\n", monkeypatch=monkeypatch
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 3 and all(len(r) == 384 for r in rows)
+    assert torch.equal(torch.tensor(rows, dtype=torch.float32), embed(minilm, texts))
+
+
+@pytest.mark.slow
+def test_sample_on_smollm2_knows_the_capital_of_france(smollm, smollm_gguf, capsys):
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(smollm_gguf),
+        "--prompt",
+        "The capital of France is",
+        "--greedy",
+        "--max-new-tokens",
+        "3",
+    )
+    assert code == 0 and out.startswith("The capital of France is Paris.")
