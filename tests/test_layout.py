@@ -32,8 +32,9 @@ LAYERS = {
     "interop": 6,
     "experiments": 6,
     "claims": 6,
-    "cli": 7,
-    "__main__": 7,
+    "explore": 7,
+    "cli": 8,
+    "__main__": 8,
 }
 
 

@@ -201,6 +201,17 @@ def softmax_jacobian(probs: Tensor) -> Tensor:
     return torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
 
 
+def softmax_jacobian_norm(probs: Tensor) -> Tensor:
+    """Frobenius norm of :func:`softmax_jacobian` without forming it: ``(..., n) -> (...)``.
+
+    ``||J||^2 = sum_i (a_i - a_i^2)^2 + sum_{i != j} a_i^2 a_j^2 = sum a_i^2 - 2 sum a_i^3 + (sum a_i^2)^2``:
+    1/n-ish for a uniform row, 0 for a one-hot (saturated) one.
+    """
+    p2 = (probs * probs).sum(-1)
+    p3 = (probs * probs * probs).sum(-1)
+    return (p2 - 2 * p3 + p2 * p2).clamp_min(0).sqrt()
+
+
 # --------------------------------------------------------------------------------------------------
 # Position encodings
 # --------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ COMMAND_MODULES = [
     "tformer.cli.translate",
     "tformer.cli.embed",
     "tformer.cli.convert",
+    "tformer.cli.explore",
 ]
 DESCRIPTION = "The tformer command line: train, sample and study Transformers. tformer COMMAND --help lists its flags."
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"

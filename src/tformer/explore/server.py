@@ -1,0 +1,291 @@
+"""The ``tformer explore`` server: the page's own files and a small JSON API, on the standard library's threading
+HTTP server. Nothing is fetched from anywhere else; the page's Content-Security-Policy forbids it too.
+
+API (``POST``, a JSON object in, a JSON object out; a bad request gets a 4xx and ``{"error": "one line"}``):
+
+* ``/api/info`` (``GET``): the model: name, kind (``lm`` or ``seq2seq``), attention kinds, layers, heads, ...
+* ``/api/analyze`` ``{"prompt", "temperature"=1, "top_k"=null, "top_p"=null, "target"=""}``: ``tokens`` (each
+  token's text), ``ids``, ``next`` (the top of the next-token distribution: ``id``, ``token``, ``prob`` after the
+  filters and renormalization, ``raw`` before them, ``kept``) and ``layers`` (per attention kind, per layer, each
+  head's mean entropy). ``target`` is a seq2seq model's decoder prefix.
+* ``/api/attention`` ``{"prompt", "layer", "kind"="self", "scale_factor"=1, "mask"="before", "target"=""}``: that
+  layer's weights ``(heads, T, S)`` as nested lists, the query and key tokens, and per head the entropy, the
+  softmax Jacobian's norm and the range of row sums. ``scale_factor`` multiplies ``1/sqrt(d_k)``;
+  ``mask`` puts the causal mask ``before`` the softmax (the model's way), ``after`` it (rows stop summing to 1),
+  or ``none``.
+* ``/api/sample`` ``{"prompt", "seed", "temperature", "top_k", "top_p"}``: one token drawn as
+  ``tformer.generate(..., seed=seed)`` draws its first, and the prompt with it appended.
+* ``/api/positions`` ``{"prompt", "layer", "kind"="self"}``: scores against the offset ``n - m`` (RoPE: the
+  layer's real projections; sinusoidal: the table).
+
+Limits: a body over :data:`MAX_BODY` bytes is refused from its ``Content-Length`` before it is read; a client that
+stops sending is dropped after :data:`READ_TIMEOUT` seconds; one forward pass runs at a time (a lock), requests in
+any number of threads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
+
+from tformer.explore import analysis
+from tformer.explore.analysis import MASK_MODES, ExploreError, Explorer
+
+MAX_BODY = 64 * 1024
+MAX_PROMPT_CHARS = 20_000
+READ_TIMEOUT = 10.0
+STATIC = {"/": "index.html", "/app.js": "app.js", "/style.css": "style.css"}
+TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
+CSP = "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'; connect-src 'self'"
+
+REQUIRED = object()  # the default of a field that must be given
+# request fields: name -> (types accepted, default); "kind" "" is the model's first attention kind
+FIELDS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
+    "analyze": {
+        "prompt": ((str,), REQUIRED),
+        "temperature": ((int, float), 1.0),
+        "top_k": ((int, type(None)), None),
+        "top_p": ((int, float, type(None)), None),
+        "target": ((str,), ""),
+    },
+    "attention": {
+        "prompt": ((str,), REQUIRED),
+        "layer": ((int,), REQUIRED),
+        "kind": ((str,), ""),
+        "scale_factor": ((int, float), 1.0),
+        "mask": ((str,), "before"),
+        "target": ((str,), ""),
+    },
+    "sample": {
+        "prompt": ((str,), REQUIRED),
+        "seed": ((int,), 0),
+        "temperature": ((int, float), 1.0),
+        "top_k": ((int, type(None)), None),
+        "top_p": ((int, float, type(None)), None),
+        "target": ((str,), ""),
+    },
+    "positions": {
+        "prompt": ((str,), REQUIRED),
+        "layer": ((int,), REQUIRED),
+        "kind": ((str,), ""),
+        "target": ((str,), ""),
+    },
+}
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse(endpoint: str, body: bytes, ex: Explorer) -> dict[str, Any]:
+    """The request's fields with defaults filled in, or :class:`BadRequest` naming the bad one."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequest(f"the body is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object; got {type(data).__name__}")
+    spec = FIELDS[endpoint]
+    unknown = sorted(set(data) - set(spec))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; {endpoint} takes {', '.join(spec)}")
+    out = {}
+    for name, (types, default) in spec.items():
+        if name not in data:
+            if default is REQUIRED:
+                raise BadRequest(f"missing field {name!r}")
+            out[name] = default
+            continue
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            allowed = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise BadRequest(f"{name} must be {allowed}; got {json.dumps(value)[:40]}")
+        out[name] = value
+    if out.get("kind") == "":
+        out["kind"] = analysis.KINDS[ex.kind][0]
+    _check_values(out, ex)
+    return out
+
+
+def _check_values(req: dict[str, Any], ex: Explorer) -> None:
+    if len(req["prompt"]) > MAX_PROMPT_CHARS:
+        raise BadRequest(f"the prompt is {len(req['prompt'])} characters; at most {MAX_PROMPT_CHARS}")
+    if "temperature" in req and not (math.isfinite(req["temperature"]) and req["temperature"] > 0):
+        raise BadRequest(f"temperature must be a finite number > 0; got {req['temperature']}")
+    if req.get("top_k") is not None and req["top_k"] < 1:
+        raise BadRequest(f"top_k must be >= 1 or null; got {req['top_k']}")
+    if req.get("top_p") is not None and not 0 < req["top_p"] <= 1:
+        raise BadRequest(f"top_p must be in (0, 1] or null; got {req['top_p']}")
+    if "mask" in req and req["mask"] not in MASK_MODES:
+        raise BadRequest(f"mask must be one of {', '.join(MASK_MODES)}; got {req['mask']!r}")
+    if "scale_factor" in req and not (math.isfinite(req["scale_factor"]) and req["scale_factor"] >= 0):
+        raise BadRequest(f"scale_factor must be a finite number >= 0; got {req['scale_factor']}")
+    if "seed" in req and not 0 <= req["seed"] < 2**63:
+        raise BadRequest(f"seed must be in [0, 2**63); got {req['seed']}")
+    if "kind" in req:
+        kinds = analysis.KINDS[ex.kind]
+        if req["kind"] not in kinds:
+            raise BadRequest(f"kind must be one of {', '.join(kinds)} for this model; got {req['kind']!r}")
+        layers = ex.num_layers[req["kind"]]
+        if "layer" in req and not 0 <= req["layer"] < layers:
+            raise BadRequest(f"layer must be in [0, {layers}) for {req['kind']}; got {req['layer']}")
+
+
+def _tokens(ex: Explorer, ids: list[int]) -> list[str]:
+    return [analysis.piece(ex.tokenizer, i) for i in ids]
+
+
+def api_analyze(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    fwd = analysis.forward(ex, req["prompt"], req["target"])
+    layers = {}
+    for kind in analysis.KINDS[ex.kind]:
+        layers[kind] = []
+        for mha in ex.layers(kind):
+            probs, _ = analysis.attention_map(mha, fwd.inputs[mha])
+            layers[kind].append({"entropy": analysis.head_summaries(probs)["entropy"]})
+    return {
+        "tokens": _tokens(ex, fwd.ids),
+        "ids": fwd.ids,
+        "target_tokens": _tokens(ex, fwd.target_ids),
+        "next": analysis.next_tokens(ex, fwd.logits, req["temperature"], req["top_k"], req["top_p"]),
+        "layers": layers,
+    }
+
+
+def api_attention(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    fwd = analysis.forward(ex, req["prompt"], req["target"])
+    mha = ex.layers(req["kind"])[req["layer"]]
+    probs, _ = analysis.attention_map(mha, fwd.inputs[mha], scale_factor=req["scale_factor"], mask=req["mask"])
+    source = fwd.ids if ex.kind == "lm" or req["kind"] == "encoder" else fwd.target_ids
+    keys = fwd.ids if ex.kind == "lm" or req["kind"] in ("encoder", "cross") else fwd.target_ids
+    return {
+        "layer": req["layer"],
+        "kind": req["kind"],
+        "queries": _tokens(ex, source),
+        "keys": _tokens(ex, keys),
+        "causal": fwd.inputs[mha][3],
+        "scale": req["scale_factor"] / math.sqrt(mha.head_dim),
+        "weights": probs.float().tolist(),
+        **analysis.head_summaries(probs),
+    }
+
+
+def api_sample(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    fwd = analysis.forward(ex, req["prompt"], req["target"])
+    token = analysis.draw(ex, fwd.logits, req["seed"], req["temperature"], req["top_k"], req["top_p"])
+    text = analysis.piece(ex.tokenizer, token)
+    if ex.kind == "lm":
+        return {"id": token, "token": text, "prompt": ex.tokenizer.decode([*fwd.ids, token])}
+    return {"id": token, "token": text, "target": ex.tokenizer.decode([*fwd.target_ids[1:], token])}
+
+
+def api_positions(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    fwd = analysis.forward(ex, req["prompt"], req["target"])
+    return analysis.position_scores(ex, fwd, req["layer"], req["kind"])
+
+
+ENDPOINTS = {"analyze": api_analyze, "attention": api_attention, "sample": api_sample, "positions": api_positions}
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One request. ``self.server.explorer`` is the model; the server's threads share it."""
+
+    server_version = "tformer-explore"
+    timeout = READ_TIMEOUT  # a client that stops sending mid-request is dropped, its thread freed
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        if getattr(self.server, "verbose", False):
+            super().log_message(format, *args)
+
+    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Security-Policy", CSP)
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client left; nothing to tell it
+
+    def _json(self, status: HTTPStatus, data: dict[str, Any]) -> None:
+        self._send(status, json.dumps(data, allow_nan=False).encode(), "application/json")
+
+    def _error(self, status: HTTPStatus, message: str) -> None:
+        self._json(status, {"error": message.splitlines()[0] if message else status.phrase})
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/api/info":
+            return self._json(HTTPStatus.OK, self.server.explorer.info())
+        name = STATIC.get(path)
+        if name is None:  # /../, absolute paths and anything else: only the page's own files exist here
+            return self._error(HTTPStatus.NOT_FOUND, f"no such page {path[:80]!r}")
+        body = resources.files("tformer.explore").joinpath("static", name).read_bytes()
+        self._send(HTTPStatus.OK, body, TYPES[name[name.rindex(".") :]])
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        endpoint = path.removeprefix("/api/") if path.startswith("/api/") else None
+        if endpoint not in ENDPOINTS:
+            self.close_connection = True
+            return self._error(
+                HTTPStatus.NOT_FOUND, f"no such endpoint {path[:80]!r}; POST to /api/{{{','.join(ENDPOINTS)}}}"
+            )
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            return self._error(HTTPStatus.LENGTH_REQUIRED, "send a Content-Length header with the JSON body")
+        if int(length) > MAX_BODY:  # refused before reading it
+            self.close_connection = True
+            return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length} bytes; at most {MAX_BODY}")
+        try:
+            body = self.rfile.read(int(length))
+        except (TimeoutError, ConnectionResetError):
+            self.close_connection = True
+            return
+        if len(body) < int(length):  # the client closed the connection mid-body
+            self.close_connection = True
+            return
+        ex = self.server.explorer
+        try:
+            req = parse(endpoint, body, ex)
+            result = ENDPOINTS[endpoint](ex, req)
+        except BadRequest as err:
+            return self._error(err.status, str(err))
+        except ExploreError as err:
+            return self._error(HTTPStatus.BAD_REQUEST, str(err))
+        except Exception as err:  # a bug must not stop the server: the client gets a 500, the server keeps serving
+            print(f"tformer explore: internal error on {endpoint}: {type(err).__name__}: {err}", file=sys.stderr)
+            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(err).__name__}: {err}")
+        self._json(HTTPStatus.OK, result)
+
+
+class ExploreServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, explorer: Explorer, host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> None:
+        self.explorer, self.verbose = explorer, verbose
+        super().__init__((host, port), Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}/"
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
