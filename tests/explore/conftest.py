@@ -15,7 +15,7 @@ from tformer.explore.server import ExploreServer
 from tformer.training.checkpoint import save_checkpoint
 from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
 
-CHARS = "abcdefghijklmnopqrstuvwxyz .,"
+CHARS = "abcdefghijklmnopqrstuvwxyzT .,"  # "T": the page's default prompt is "The Transformer"
 
 
 @pytest.fixture(scope="session")

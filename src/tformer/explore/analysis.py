@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class Explorer:
     kind: str  # "lm" or "seq2seq"
     start_id: int | None = None  # a seq2seq decoder's first input
     lock: threading.Lock = field(default_factory=threading.Lock)
+    recent: OrderedDict = field(default_factory=OrderedDict)  # (prompt, target) -> Forward, the last few
 
     @property
     def max_tokens(self) -> int:
@@ -148,8 +150,26 @@ class Forward:
     inputs: dict[MultiHeadAttention, tuple[Tensor, Tensor | None, Tensor | None, bool]]
 
 
+RECENT = 8  # forward passes kept: the page asks for every layer's map of one prompt, one request each
+
+
 def forward(ex: Explorer, prompt: str, target: str = "") -> Forward:
-    """Run the model once on ``prompt`` (and, for a seq2seq model, the decoder on its start id + ``target``)."""
+    """The model run once on ``prompt`` (and, for a seq2seq model, the decoder on its start id + ``target``); the
+    last :data:`RECENT` are kept, so the requests for each layer of one prompt share one forward pass."""
+    key = (prompt, target)
+    with ex.lock:
+        if key in ex.recent:
+            ex.recent.move_to_end(key)
+            return ex.recent[key]
+    result = _forward(ex, prompt, target)
+    with ex.lock:
+        ex.recent[key] = result
+        while len(ex.recent) > RECENT:
+            ex.recent.popitem(last=False)
+    return result
+
+
+def _forward(ex: Explorer, prompt: str, target: str) -> Forward:
     ids = encode(ex, prompt)
     target_ids = []
     if ex.kind == "seq2seq":
@@ -302,7 +322,9 @@ def position_scores(ex: Explorer, fwd: Forward, layer: int, kind: str) -> dict[s
             "shift_deviation": float((from_100 - from_0).abs().max()),
         }
     if cfg.position == "learned":  # no rule to check: the mean cosine of learned rows m and m + delta, as trained
-        table = next(m for m in ex.model.modules() if type(m).__name__ == "LearnedPositions").table.weight.float()
+        table = (
+            next(m for m in ex.model.modules() if type(m).__name__ == "LearnedPositions").table.weight.detach().float()
+        )
         unit = torch.nn.functional.normalize(table, dim=-1)
         top = min(OFFSETS, table.shape[0] - 1)
         curve = [float((unit[: table.shape[0] - d] * unit[d:]).sum(-1).mean()) for d in range(top + 1)]

@@ -128,10 +128,10 @@ async function loadMaps() {
   for (const kind of kinds) {
     const grid = document.createElement("div");
     grid.className = "grid";
-    grid.style.gridTemplateColumns = `repeat(${state.info.heads}, auto)`;
+    grid.style.gridTemplateColumns = `auto repeat(${state.info.heads}, auto)`;
     const title = document.createElement("div");
     title.className = "grid-title";
-    title.style.gridColumn = `1 / span ${state.info.heads}`;
+    title.style.gridColumn = `1 / span ${state.info.heads + 1}`;
     title.textContent = { self: "self-attention", encoder: "encoder self-attention",
       decoder: "decoder self-attention (causal)", cross: "cross-attention (decoder -> encoder)" }[kind];
     grid.appendChild(title);
@@ -146,6 +146,10 @@ async function loadMaps() {
   const size = Math.max(24, Math.min(64, Math.floor(560 / state.info.heads)));
   for (const { kind, layer, data, grid } of results) {
     state.maps[`${kind}/${layer}`] = data;
+    const label = document.createElement("div");
+    label.className = "layer-label";
+    label.textContent = `L${layer}`;
+    grid.appendChild(label);
     data.weights.forEach((weights, head) => {
       const canvas = document.createElement("canvas");
       canvas.className = "map";
