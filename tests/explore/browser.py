@@ -61,31 +61,46 @@ class Session:
 
 
 @contextmanager
-def browser_session(url: str, executable: str):
-    """A headless Chromium page at ``url`` with the request guard and the console collected."""
+def launch(executable: str):
+    """A headless Chromium (the system's binary) under Playwright."""
     from playwright.sync_api import sync_playwright
 
-    origin = url.rstrip("/")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox", "--disable-gpu"])
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1600})
-            session = Session(page, origin)
-
-            def guard(route):
-                if route.request.url.startswith(origin + "/"):
-                    return route.continue_()
-                session.outside.append(route.request.url)
-                return route.abort()
-
-            page.route("**/*", guard)
-            page.on("console", lambda m: m.type == "error" and session.errors.append(m.text))
-            page.on("pageerror", lambda e: session.errors.append(str(e)))
-            page.goto(url)
-            session.wait_for_maps(None)
-            yield session
+            yield browser
         finally:
             browser.close()
+
+
+@contextmanager
+def open_page(browser, url: str):
+    """A page of ``browser`` at ``url`` with the request guard and the console collected, once its maps are drawn."""
+    origin = url.rstrip("/")
+    page = browser.new_page(viewport={"width": 1280, "height": 1600})
+    session = Session(page, origin)
+
+    def guard(route):
+        if route.request.url.startswith(origin + "/"):
+            return route.continue_()
+        session.outside.append(route.request.url)
+        return route.abort()
+
+    page.route("**/*", guard)
+    page.on("console", lambda m: m.type == "error" and session.errors.append(m.text))
+    page.on("pageerror", lambda e: session.errors.append(str(e)))
+    try:
+        page.goto(url)
+        session.wait_for_maps(None)
+        yield session
+    finally:
+        page.close()
+
+
+@contextmanager
+def browser_session(url: str, executable: str):
+    with launch(executable) as browser, open_page(browser, url) as session:
+        yield session
 
 
 @contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.explore.browser import browser_session, chromium_path
+from tests.explore.browser import chromium_path, launch, open_page
 
 pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra installs it)")
 CHROMIUM = chromium_path()
@@ -17,8 +17,14 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def session(lm_server):
-    with browser_session(lm_server.url, CHROMIUM) as s:
+def browser():
+    with launch(CHROMIUM) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def session(browser, lm_server):
+    with open_page(browser, lm_server.url) as s:
         yield s
 
 
@@ -81,3 +87,21 @@ def test_screenshot_and_nothing_outside_loopback(session, tmp_path):
     assert path.stat().st_size > 10_000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert session.outside == []
     assert session.errors == []
+
+
+def test_an_encoder_decoder_shows_the_three_attention_types(browser, seq2seq_server):
+    with open_page(browser, seq2seq_server.url) as s:
+        s.page.fill("#target", "dlrow")
+        s.analyze("hello world")
+        titles = s.page.locator(".grid-title").all_inner_texts()
+        assert titles == [
+            "encoder self-attention",
+            "decoder self-attention (causal)",
+            "cross-attention (decoder -> encoder)",
+        ]
+        assert s.page.locator("#grids canvas").count() == 3 * 2 * 2  # three kinds x 2 layers x 2 heads
+        before = s.ready()
+        s.page.click("#sample")
+        s.wait_for_maps(before)
+        assert s.page.input_value("#target") != "dlrow"  # the drawn token joined the decoder prefix
+        assert s.outside == [] and s.errors == []
