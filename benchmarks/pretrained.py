@@ -20,6 +20,7 @@ Run:  python benchmarks/pretrained.py   (the models come from ``make``; the benc
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import platform
 import subprocess
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tformer import embed, generate, load_pretrained
+from tformer import embed, generate, load_pretrained, quantize
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -67,7 +68,17 @@ def bandwidth(repeats: int = 5) -> float:
 
 
 def bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes a batch-1 decode step reads: every parameter once (tied tensors once: the head reads the embedding)."""
+    """Bytes a batch-1 decode step reads: every parameter once (tied tensors once: the head reads the embedding).
+    Quantized (int8): the codes and scales of every layer, the norms, not the float embedding (its int8 copy is the
+    head; a lookup reads one row)."""
+    from tformer.quantization import Int8Linear
+
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if int8:
+        codes = sum(sum(t.numel() * t.element_size() for t in m.buffers()) for m in int8)
+        embedding = model.decoder.embed.tokens.weight
+        rest = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+        return codes + rest
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
@@ -79,22 +90,28 @@ def bytes_per_token(model: torch.nn.Module) -> int:
 def matmul_rate(model: torch.nn.Module, repeats: int) -> float:
     """tokens/s of a decode step's matrix-vector products alone: ``F.linear`` of a 1-row input with every weight
     matrix in turn (the head's too), as eager PyTorch runs them. The ceiling for any eager decoder on these kernels."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = getattr(model, "head", None)
-    if head is None or not isinstance(head, torch.nn.Linear):
-        weights.append(model.decoder.embed.tokens.weight)  # the tied head
-    inputs = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=w.dtype) for w in weights}
+    from tformer.quantization import Int8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
+    if getattr(model, "head", None) is None:
+        tokens = model.decoder.embed.tokens  # the tied head
+        layers.append(lambda x: F.linear(x, tokens.weight))
+    dtype = model.decoder.embed.tokens.weight.dtype
+    width = model.cfg.d_model
+    inputs = {n: torch.randn(1, 1, n, dtype=dtype) for n in (width, model.cfg.d_ff, 2 * model.cfg.d_ff)}
 
     def step():
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for layer in layers:
+            layer(inputs[layer.in_features if hasattr(layer, "in_features") else width])
 
     with torch.inference_mode():
         step()
         return 1 / best(step, repeats * 3)
 
 
-def decode_rates(ours, hf, prompt: list[int], new: int, repeats: int) -> dict[str, tuple[float, list[int]]]:
+def decode_rates(
+    ours, hf, prompt: list[int], new: int, repeats: int, ours_only: bool = False
+) -> dict[str, tuple[float, list[int]]]:
     """tokens/s of the decode phase (prefill excluded) for each side, and the tokens each made."""
     from transformers import GenerationConfig
 
@@ -118,7 +135,7 @@ def decode_rates(ours, hf, prompt: list[int], new: int, repeats: int) -> dict[st
 
         return run
 
-    runs = {"tformer": ours_run, "transformers": hf_run}
+    runs = {"tformer": ours_run} if ours_only else {"tformer": ours_run, "transformers": hf_run}
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in runs for n in (1, new)}
     for _ in range(repeats):  # interleaved: both sides see the same machine load
         for name, make in runs.items():
@@ -205,6 +222,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--skip-load", action="store_true", help="skip the load-time table")
+    parser.add_argument("--skip-embeddings", action="store_true", help="skip the MiniLM table")
+    parser.add_argument("--int8-float32", action="store_true", help="also int8 weights with float32 activations")
     args = parser.parse_args()
 
     import transformers
@@ -232,6 +251,7 @@ def main() -> None:
         "| transformers tok/s | ratio |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    hf_rates = {}
     for dtype in (torch.float32, torch.bfloat16):
         ours, hf = smollm.model.to(dtype), hf32.to(dtype)
         rates = decode_rates(ours, hf, prompt, args.new_tokens, args.repeats)
@@ -245,14 +265,26 @@ def main() -> None:
             f"| {str(dtype).removeprefix('torch.')} | {per_token / 1e6:.0f} | {bound:.1f} | {kernels:.1f} | {a:.1f} | "
             f"{a / bound:.0%} | {b:.1f} | **{a / b:.2f}x** |"
         )
+        hf_rates[dtype] = b
+        if dtype == torch.bfloat16 or args.int8_float32:
+            quantized = quantize(copy.deepcopy(ours))
+            a = decode_rates(quantized, hf, prompt, args.new_tokens, args.repeats, ours_only=True)["tformer"][0]
+            per_token, kernels = bytes_per_token(quantized), matmul_rate(quantized, args.repeats)
+            bound = bw / per_token
+            print(
+                f"| int8 weights, {str(dtype).removeprefix('torch.')} activations | {per_token / 1e6:.0f} | "
+                f"{bound:.1f} | {kernels:.1f} | {a:.1f} | {a / bound:.0%} | ({b:.1f}) | **{a / b:.2f}x** |"
+            )
+            del quantized
     del hf32, smollm
 
-    minilm = load_pretrained(minilm_dir)
-    ours, theirs, error = embedding_rates(minilm, minilm_dir, args.repeats)
-    print(f"\nMiniLM embeddings, 32 x 128 tokens, float32 (max |difference| {error:.1e}), best of {args.repeats}")
-    print("| | sentences/s |\n|---|---:|")
-    print(f"| tformer `embed` | {ours:.0f} |\n| transformers + mean pooling | {theirs:.0f} |")
-    print(f"| ratio | **{ours / theirs:.2f}x** |")
+    if not args.skip_embeddings:
+        minilm = load_pretrained(minilm_dir)
+        ours, theirs, error = embedding_rates(minilm, minilm_dir, args.repeats)
+        print(f"\nMiniLM embeddings, 32 x 128 tokens, float32 (max |difference| {error:.1e}), best of {args.repeats}")
+        print("| | sentences/s |\n|---|---:|")
+        print(f"| tformer `embed` | {ours:.0f} |\n| transformers + mean pooling | {theirs:.0f} |")
+        print(f"| ratio | **{ours / theirs:.2f}x** |")
 
     if not args.skip_load:
         print("\nLoad times (s)\n| checkpoint | tformer | transformers |\n|---|---:|---:|")

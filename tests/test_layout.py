@@ -28,6 +28,7 @@ LAYERS = {
     "layers": 2,
     "models": 3,
     "generation": 4,
+    "quantization": 4,
     "training": 5,
     "interop": 6,
     "experiments": 6,

@@ -1,8 +1,9 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
 Layers of the package (dependencies point one way):
-    config, functional (tensor math) <- attention <- positions, layers <- models <- generation <- training <-
-    interop (Hugging Face and GGUF checkpoints), experiments, claims <- cli (tests/test_layout.py holds it).
+    config, functional (tensor math) <- attention <- positions, layers <- models <- generation, quantization <-
+    training <- interop (Hugging Face and GGUF checkpoints), experiments, claims <- explore (the page) <- cli
+    (tests/test_layout.py holds it).
 
 Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
 tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.
@@ -70,6 +71,7 @@ _EXPORTS = {
     "embed": "tformer.interop",
     "load_pretrained": "tformer.interop",
     "save_pretrained": "tformer.interop",
+    "quantize": "tformer.quantization",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -97,6 +99,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer.interop import Pretrained, embed, load_pretrained, save_pretrained
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
+    from tformer.quantization import quantize
     from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from tformer.training.config import TrainConfig, TrainResult
     from tformer.training.trainer import train

@@ -29,6 +29,8 @@ class KVCache:
     Storage ``(B, Hkv, capacity, D)`` grows by doubling, so appending one token costs O(1) amortized copies.
     """
 
+    static = False
+
     def __init__(self) -> None:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
@@ -56,12 +58,42 @@ class KVCache:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
+class StaticKVCache:
+    """Keys and values in storage of ``capacity`` positions allocated once, ``(B, Hkv, capacity, D)``, written in
+    place at the columns ``slots (T,)`` the caller sets before each call: every decoding step then has the same
+    shapes, and a compiled step runs again without recompiling. Unwritten columns hold zeros; the caller's key mask
+    hides them (:meth:`tformer.models.DecoderLM.forward` with a static cache)."""
+
+    static = True
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a static cache needs capacity >= 1; got {capacity}")
+        self.capacity = capacity
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.slots: Tensor | None = None  # (T,) long: the columns the next update writes
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v (B, Hkv, T, D)`` at columns ``slots``; return the whole storage ``(B, Hkv, capacity, D)``."""
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:-2], self.capacity, k.shape[-1])
+            self.v = v.new_zeros(*v.shape[:-2], self.capacity, v.shape[-1])
+        self.k.index_copy_(-2, self.slots, k)
+        self.v.index_copy_(-2, self.slots, v)
+        return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
 @dataclass
 class LayerCache:
     """What one block remembers between decoding steps: its self-attention keys/values and, in an
     encoder-decoder, the cross-attention keys/values of the encoder output (computed once)."""
 
-    self_kv: KVCache = field(default_factory=KVCache)
+    self_kv: KVCache | StaticKVCache = field(default_factory=KVCache)
     cross_kv: tuple[Tensor, Tensor] | None = None
 
     def reorder(self, index: Tensor) -> None:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
-from tformer.layers import BlockStack, LayerCache, Pooler, init_weights, make_norm
+from tformer.layers import BlockStack, LayerCache, Pooler, StaticKVCache, init_weights, make_norm
 from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
@@ -188,11 +188,14 @@ class _EmbeddedStack(nn.Module):
         mask: Tensor | None,
         caches: list[LayerCache] | None,
         token_types: Tensor | None = None,
+        positions: Tensor | None = None,
         **kwargs,
     ) -> Tensor:
         """Embed ``ids (B, T)`` (after ``past`` cached tokens) and run the blocks. Everything here is decided from
         shapes and Python ints: no value is read back from the device."""
         _check_ids_shape(ids, "ids")
+        if caches and caches[0].self_kv.static:
+            return self._run_static(ids, mask, caches, positions, **kwargs)
         B, T = ids.shape
         past = caches[0].self_kv.length if caches else 0
         if mask is not None and mask.shape != (B, past + T):
@@ -209,9 +212,45 @@ class _EmbeddedStack(nn.Module):
             x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, rope=rope, **kwargs
         )
 
-    def new_cache(self) -> list[LayerCache]:
-        """An empty key/value cache, one entry per block, for incremental decoding."""
-        return [LayerCache() for _ in self.stack.blocks]
+    def _run_static(
+        self, ids: Tensor, keys: Tensor | None, caches: list[LayerCache], positions: Tensor | None, **kwargs
+    ) -> Tensor:
+        """The blocks over a :class:`tformer.layers.StaticKVCache`: the caller gives each new token's position
+        ``positions (B, T)``, the cache columns it goes to (``cache.slots``, shared by the rows) and ``keys (B, S)``,
+        the columns that hold real tokens once these are written (``S`` = the capacity). Query ``i`` sees column
+        ``j`` when ``keys[b, j]`` and ``j <= slots[i]``. Only tensors vary between steps: one compiled graph serves
+        every step."""
+        cache = caches[0].self_kv
+        if positions is None or keys is None or cache.slots is None:
+            raise ValueError("a static cache needs positions (B, T), the key mask (B, capacity) and cache.slots")
+        if keys.shape != (ids.shape[0], cache.capacity) or positions.shape != ids.shape:
+            raise ValueError(
+                f"with a static cache of capacity {cache.capacity}: keys must be {(ids.shape[0], cache.capacity)} "
+                f"and positions {tuple(ids.shape)}; got {tuple(keys.shape)} and {tuple(positions.shape)}"
+            )
+        columns = torch.arange(cache.capacity, device=ids.device)
+        allowed = columns[None, :] <= cache.slots[:, None] if self.causal else columns[None, :] >= 0  # (T, S)
+        self_mask = keys[:, None, None, :] & allowed[None, None]  # (B, 1, T, S)
+        rope = self.rotary(positions) if self.rotary is not None else None  # tables reserved by the caller
+        x = self.embed(ids, positions)  # (B, T, C)
+        return self.stack(
+            x, caches=caches, self_mask=self_mask, is_causal=False, positions=positions, rope=rope, **kwargs
+        )
+
+    def reserve(self, length: int) -> None:
+        """Make the position tables hold ``length`` positions (a static cache's capacity, before decoding)."""
+        self.embed.reserve(length)
+        if self.rotary is not None:
+            self.rotary.reserve(length)
+
+    def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
+        """An empty key/value cache, one entry per block, for incremental decoding: growing, or with ``capacity`` a
+        :class:`tformer.layers.StaticKVCache` of that many positions (the position tables reserved for them)."""
+        if capacity is None:
+            return [LayerCache() for _ in self.stack.blocks]
+        learned = self.cfg.position == "learned"  # positions count real tokens: at most max_seq_len of them
+        self.reserve(min(capacity, self.cfg.max_seq_len) if learned else capacity)
+        return [LayerCache(StaticKVCache(capacity)) for _ in self.stack.blocks]
 
 
 class Encoder(_EmbeddedStack):
@@ -268,15 +307,17 @@ class Decoder(_EmbeddedStack):
         tgt_mask: Tensor | None = None,
         memory_mask: Tensor | None = None,
         cache: list[LayerCache] | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """``tgt_ids (B, T)``, ``memory (B, S, C)`` -> hidden states ``(B, T, C)``.
 
-        With ``cache`` only the new tokens are given; ``tgt_mask`` then covers cached + new tokens.
+        With ``cache`` only the new tokens are given; ``tgt_mask`` then covers cached + new tokens (a static
+        cache: :meth:`_run_static`).
         """
         if tgt_mask is not None and cache is None:
             _check_mask(tgt_mask, tgt_ids, "tgt_mask")
         cross_mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S)
-        return self._run(tgt_ids, tgt_mask, cache, memory=memory, memory_mask=cross_mask)
+        return self._run(tgt_ids, tgt_mask, cache, memory=memory, memory_mask=cross_mask, positions=positions)
 
 
 def output_head(cfg: TransformerConfig) -> nn.Linear | None:
@@ -284,11 +325,15 @@ def output_head(cfg: TransformerConfig) -> nn.Linear | None:
     return None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
 
-def project_logits(h: Tensor, head: nn.Linear | None, tokens: nn.Embedding, bias: Tensor | None = None) -> Tensor:
+def project_logits(h: Tensor, head: nn.Module | None, tokens: nn.Embedding, bias: Tensor | None = None) -> Tensor:
     """``logits = h W^T (+ b)`` with ``W`` the output matrix or, tied, the token embedding ``(V, C)``, and ``b`` the
-    fixed logits bias of ``cfg.logits_bias`` (Marian)."""
-    weight = head.weight if head is not None else tokens.weight
-    return torch.nn.functional.linear(h, weight, bias)  # (B, T, C) -> (B, T, V)
+    fixed logits bias of ``cfg.logits_bias`` (Marian). A head that is not an ``nn.Linear`` (a quantized one:
+    :func:`tformer.quantize`) is called."""
+    if head is None or isinstance(head, nn.Linear):
+        weight = head.weight if head is not None else tokens.weight
+        return torch.nn.functional.linear(h, weight, bias)  # (B, T, C) -> (B, T, V)
+    logits = head(h)
+    return logits if bias is None else logits + bias
 
 
 def logits_bias(module: nn.Module, cfg: TransformerConfig) -> None:
@@ -352,15 +397,23 @@ class DecoderLM(nn.Module):
         logits_bias(self, cfg)
         init_weights(self, cfg.num_layers, embed_std=0.02)
 
-    def forward(self, ids: Tensor, mask: Tensor | None = None, cache: list[LayerCache] | None = None) -> Tensor:
-        """``ids (B, T)`` -> logits ``(B, T, V)``. With ``cache``, ``ids`` are only the new tokens."""
+    def forward(
+        self,
+        ids: Tensor,
+        mask: Tensor | None = None,
+        cache: list[LayerCache] | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """``ids (B, T)`` -> logits ``(B, T, V)``. With ``cache``, ``ids`` are only the new tokens. With a static
+        cache (``new_cache(capacity)``), ``mask`` is the key mask ``(B, capacity)`` and ``positions (B, T)`` the new
+        tokens' positions (:meth:`Decoder._run_static`)."""
         if mask is not None and cache is None:
             _check_mask(mask, ids, "mask")
-        h = self.decoder(ids, tgt_mask=mask, cache=cache)  # (B, T, C)
+        h = self.decoder(ids, tgt_mask=mask, cache=cache, positions=positions)  # (B, T, C)
         return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
 
-    def new_cache(self) -> list[LayerCache]:
-        return self.decoder.new_cache()
+    def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
+        return self.decoder.new_cache(capacity)
 
 
 def num_parameters(module: nn.Module) -> int:

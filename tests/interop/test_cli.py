@@ -175,3 +175,27 @@ def test_sample_on_smollm2_knows_the_capital_of_france(smollm, smollm_gguf, caps
         "3",
     )
     assert code == 0 and out.startswith("The capital of France is Paris.")
+
+
+def test_sample_quantize_int8_continues_as_the_quantized_model_does(tiny_gguf, capsys):
+    from tformer import generate, quantize
+
+    path, _ = tiny_gguf
+    pretrained = load_pretrained(path)
+    model = quantize(pretrained.model)
+    ids = pretrained.tokenizer.encode("the cat")
+    new = generate(model, [ids], max_new_tokens=12, greedy=True, eos_id=list(pretrained.generation.eos))[0]
+    code, out, _ = cli(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(path),
+        "--prompt",
+        "the cat",
+        "--greedy",
+        "--max-new-tokens",
+        "12",
+        "--quantize",
+        "int8",
+    )
+    assert code == 0 and out == "the cat" + pretrained.tokenizer.decode(new) + "\n"

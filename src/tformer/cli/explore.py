@@ -31,6 +31,9 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    p.add_argument(
+        "--quantize", choices=["int8"], default=None, help="int8: weight-only int8 weights (tformer.quantize; lossy)"
+    )
     p.set_defaults(func=_run_explore)
 
 
@@ -43,6 +46,11 @@ def _run_explore(args: argparse.Namespace) -> int:
         from tformer.training.runtime import resolve_device
 
         explorer = open_model(args.checkpoint, device=resolve_device(args.device), dtype=torch_dtype(args.dtype))
+        if args.quantize:
+            from tformer.quantization import quantize
+
+            quantize(explorer.model, args.quantize)
+            explorer.name += f" ({args.quantize})"
         try:
             server = ExploreServer(explorer, args.host, args.port)
         except OSError as err:

@@ -47,6 +47,19 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the decode step over a static cache (exact). auto: on CUDA yes, on the CPU no (there the "
+        "compile costs minutes; tformer.generation.static.auto_compile gives the measured rule)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="int8: weight-only int8 with per-channel scales (tformer.quantize; lossy, so never the default)",
+    )
     p.set_defaults(func=_run_sample)
 
 
@@ -55,6 +68,14 @@ def _run_sample(args: argparse.Namespace) -> int:
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
         row_seeds(args.seed, 1)
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
+        if args.quantize:
+            from tformer.quantization import quantize
+
+            quantize(loaded.model, args.quantize)
+        from tformer.generation.static import LAST_TIMINGS, auto_compile
+
+        device = next(loaded.model.parameters()).device
+        compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
         sample_to(
             sys.stdout,
             loaded.model,
@@ -68,7 +89,11 @@ def _run_sample(args: argparse.Namespace) -> int:
             greedy=args.greedy,
             seed=args.seed,
             stop=args.stop or None,
+            compile=compiled,
         )
+        if compiled:
+            times = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in LAST_TIMINGS.items())
+            print(f"tformer sample: compiled decoding ({times}, compilation included)", file=sys.stderr)
         return 0
 
     return report_errors("sample", run)

@@ -324,6 +324,8 @@ def generate(
     tokenizer: TextDecoder | None = None,
     use_cache: bool = True,
     on_token: Callable[[int, int], None] | None = None,
+    static_cache: bool = False,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; returns the new tokens of each row.
 
@@ -344,6 +346,12 @@ def generate(
         stop, eos_id, tokenizer: end a row at ``eos_id`` (an id or a list of ids), at a stop sequence of ids, or
             at a stop string (needs ``tokenizer``); the stop itself is dropped from the output (see :class:`Stopper`).
         use_cache: ``False`` recomputes the whole sequence each step (reference and benchmarks).
+        static_cache: decode over a cache of ``prompt + max_new_tokens`` positions allocated once
+            (:mod:`tformer.generation.static`): the same tokens, every step the same shapes. With learned positions
+            the whole sequence must fit ``max_seq_len`` (no sliding window).
+        compile: run prefill and steps through ``torch.compile`` over a static cache, compiled once per shape
+            bucket (prompt and capacity rounded up to 64); ``tformer.generation.static.LAST_TIMINGS`` holds the
+            wall time of the first prefill and step, compilation included.
         on_token: ``on_token(row, token_id)`` is called for each output token, in order, as soon as no stop
             can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
             returned lists.
@@ -378,7 +386,14 @@ def generate(
     model.eval()
     try:
         with torch.inference_mode():
-            lm = IncrementalLM(model, ids, mask, max_new_tokens=max_new_tokens, use_cache=use_cache)
+            if static_cache or compile:
+                from tformer.generation.static import StaticLM
+
+                if not use_cache:
+                    raise ValueError("static_cache/compile decode with a cache; use_cache=False contradicts them")
+                lm = StaticLM(model, ids, mask, max_new_tokens=max_new_tokens, compile=compile)
+            else:
+                lm = IncrementalLM(model, ids, mask, max_new_tokens=max_new_tokens, use_cache=use_cache)
             if not stopper.active and on_token is None:  # no row can end early: no host sync until the end
                 return _decode_block(lm, rule, max_new_tokens).tolist()
             _decode_rows(lm, rule, max_new_tokens, stopper, on_token, outputs)

@@ -1,0 +1,119 @@
+"""Decoding over a static KV cache, optionally compiled: every decode step has the same shapes, so one compiled graph
+serves them all (``generate(..., compile=True)``).
+
+The cache holds ``capacity`` positions per layer, allocated once (:class:`tformer.layers.StaticKVCache`). A step
+writes its token's keys and values at column ``slot`` (a one-element tensor updated in place), marks the column real
+in the key mask ``(B, capacity)`` and passes each row's position ``(B, 1)``; none of these is a Python number the
+graph could specialise on. With ``compile=True`` the prompt is also left-padded to a multiple of :data:`BUCKET`
+tokens and the capacity rounded up to one, so prompts and lengths within a bucket share their graphs (prefill and
+step): "compiled once per shape bucket". The compiled model is kept per model (a weak reference), so later calls of
+the same bucket reuse it.
+
+On CUDA the step runs with ``mode="reduce-overhead"`` (CUDA graphs: one launch per step); on the CPU with the default
+mode (inductor's C++ kernels, fused element-wise work).
+
+Shapes: B, P, S, V (the package legend, :mod:`tformer`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+
+import torch
+from torch import Tensor
+
+from tformer.generation.sampling import context_window
+from tformer.models import DecoderLM
+
+BUCKET = 64  # prompt lengths and capacities are rounded up to a multiple of this when compiling
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled forward
+# wall seconds of the last static generation's prefill and first step: with compile=True the compilation is in them
+LAST_TIMINGS: dict[str, float] = {}
+
+
+def compiled_forward(model: DecoderLM):
+    """``torch.compile`` of ``model``'s forward, made once per model."""
+    if model not in _COMPILED:
+        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+        _COMPILED[model] = torch.compile(model, mode=mode, dynamic=False, fullgraph=True)
+    return _COMPILED[model]
+
+
+def auto_compile(device: torch.device | str) -> bool:
+    """The rule of ``--compile auto`` (exact either way: a compiled step computes the same function).
+
+    On CUDA: compile (CUDA graphs make a decode step one launch; the compile takes seconds). On the CPU: do not.
+    Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding"): compiling SmolLM2-135M took
+    about 6 minutes for 5.3 ms/token saved in float32 (60.9 -> 55.6), so it pays off after ~67,000 tokens; the
+    demo-size model's break-even is of the same order. ``--compile on`` still compiles on the CPU when asked.
+    """
+    return torch.device(device).type == "cuda"
+
+
+def round_up(n: int, to: int = BUCKET) -> int:
+    return max(to, math.ceil(n / to) * to)
+
+
+class StaticLM:
+    """:class:`tformer.generation.sampling.IncrementalLM`'s interface (``prefill``, ``step``, ``ids``, ``length``)
+    over a static cache of ``P + max_new_tokens`` positions (rounded up to buckets when compiling)."""
+
+    def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int, compile: bool):
+        B, P = ids.shape
+        window = context_window(model.cfg)
+        if window is not None and P + max_new_tokens > window:
+            raise ValueError(
+                f"a static cache holds the whole sequence: prompt {P} + max_new_tokens {max_new_tokens} exceeds the "
+                f"model's {window} learned positions (use the default cache, which slides a window)"
+            )
+        device = ids.device
+        if mask is None:
+            mask = torch.ones(B, P, dtype=torch.bool, device=device)
+        pad = (round_up(P) - P) if compile else 0  # left-pad to the bucket: padding is masked, positions unchanged
+        if pad:
+            ids = torch.cat([ids.new_full((B, pad), model.cfg.pad_id or 0), ids], dim=1)
+            mask = torch.cat([mask.new_zeros(B, pad), mask], dim=1)
+        self.model, self.compile, self.pad = model, compile, pad
+        self.capacity = round_up(P + pad + max_new_tokens) if compile else P + max_new_tokens
+        self.ids = ids.new_empty(B, P + pad + max_new_tokens)  # the prompt, then the generated tokens
+        self.ids[:, : P + pad] = ids
+        self.length = P + pad
+        self.keys = torch.zeros(B, self.capacity, dtype=torch.bool, device=device)  # (B, S): real, written columns
+        self.keys[:, : P + pad] = mask
+        self.prompt_positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P): left padding does not count
+        self.position = self.prompt_positions[:, -1:] + 1  # (B, 1): the next token's position, advanced in place
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column, advanced in place
+        self.cache = model.new_cache(self.capacity)
+        self.forward = compiled_forward(model) if compile else model
+        self.steps = 0
+
+    def prefill(self) -> Tensor:
+        """Logits of the token after the prompt ``(B, V)``; the prompt's keys and values go to columns ``0 .. P-1``."""
+        start = time.perf_counter()
+        slots = torch.arange(self.length, device=self.ids.device)
+        for layer in self.cache:
+            layer.self_kv.slots = slots
+        prompt = self.ids[:, : self.length].contiguous()  # its own strides: the graph must not see the buffer width
+        logits = self.forward(prompt, self.keys, self.cache, self.prompt_positions)[:, -1]
+        for layer in self.cache:
+            layer.self_kv.slots = self.slot  # every step writes the column this tensor holds
+        self.slot.fill_(self.length)
+        LAST_TIMINGS.clear()
+        LAST_TIMINGS["prefill"] = time.perf_counter() - start
+        return logits
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
+        start = time.perf_counter()
+        self.ids.select(1, self.length).copy_(tokens)
+        self.keys.index_fill_(1, self.slot, True)
+        logits = self.forward(tokens[:, None], self.keys, self.cache, self.position)[:, -1]
+        self.length += 1
+        self.slot.add_(1)
+        self.position.add_(1)
+        self.steps += 1
+        if self.steps == 1:
+            LAST_TIMINGS["first step"] = time.perf_counter() - start
+        return logits

@@ -1,0 +1,106 @@
+"""Weight-only int8 quantization for inference: ``tformer.quantize(model, "int8")``.
+
+Each linear layer's weight ``W (out, in)`` becomes int8 codes ``Q`` and one float scale per output channel (row),
+``s_o = max_i |W_oi| / 127``, ``Q_oi = round(W_oi / s_o)``: so ``|W_oi - s_o Q_oi| <= s_o / 2``. Activations stay in
+the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` runs on PyTorch's fused int8-weight kernel
+(``torch._weight_int8pack_mm``) on the CPU, which reads one byte per weight instead of two or four: decoding at batch
+1 reads every weight once per token, so it is bound by those bytes. Elsewhere the codes are dequantized per call.
+
+A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself
+stays in floating point (a lookup reads only the rows of the tokens it is given). The result is for inference: the
+codes are buffers, not parameters, and ``quantize`` puts the model in eval mode.
+
+Shapes: B, T, C, V (the package legend, :mod:`tformer`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Scheme = Literal["int8"]
+
+
+def _fused(x: Tensor, in_features: int) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` takes this input: CPU, a float dtype, and for bfloat16 a row length that
+    is a multiple of 16 (torch 2.13's bfloat16 kernel crashes the process on others: 8, 24 and 100 were seen)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return x.dtype != torch.bfloat16 or in_features % 16 == 0
+
+
+class Int8Linear(nn.Module):
+    """``y = x (s * Q)^T + b`` with int8 codes ``Q (out, in)`` and per-row scales ``s (out,)``."""
+
+    def __init__(self, codes: Tensor, scale: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        if codes.dtype != torch.int8 or codes.dim() != 2 or scale.shape != codes.shape[:1]:
+            raise ValueError(f"need int8 codes (out, in) and scales (out,); got {codes.dtype} {tuple(codes.shape)}")
+        self.in_features, self.out_features = codes.shape[1], codes.shape[0]
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None = None) -> Int8Linear:
+        """Quantize ``weight (out, in)`` row by row (computed in float32; the scales keep ``weight``'s dtype)."""
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)  # (out,): an all-zero row
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(codes, scale.to(weight.dtype), None if bias is None else bias.detach().clone())
+
+    def dequantized(self) -> Tensor:
+        """``s * Q`` in the scales' dtype: the weight this layer computes with."""
+        return self.codes.to(self.scale.dtype) * self.scale[:, None]
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight, for code that slices a layer's matrix (cross-attention's projections, the
+        experiments): correct, but it builds the full float matrix; calling the layer does not."""
+        return self.dequantized()
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        if _fused(x, self.in_features):
+            flat = x.reshape(-1, shape[-1])  # (B*T, in)
+            y = torch._weight_int8pack_mm(flat, self.codes, self.scale.to(x.dtype)).reshape(*shape[:-1], -1)
+        else:
+            y = F.linear(x, self.codes.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, and a tied output head by an
+    int8 copy of the embedding; returns ``model`` in eval mode. Embeddings and norms keep their dtype."""
+    if scheme != "int8":
+        raise ValueError(f"unknown quantization scheme {scheme!r}; tformer has 'int8' (weight-only, per channel)")
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("this model is already quantized")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear.from_weight(child.weight, child.bias))
+    decoder = getattr(model, "decoder", None)
+    if hasattr(model, "head") and model.head is None and decoder is not None:  # tied: the logits read the embedding
+        model.head = Int8Linear.from_weight(decoder.embed.tokens.weight)
+    return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (tied tensors once): what a batch-1 decode step reads, plus the
+    embedding rows it does not."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["Int8Linear", "quantize", "weight_bytes"]

@@ -1,0 +1,90 @@
+"""Weight-only int8 (``tformer.quantize``): the codes are within half a step of the weights, the layer computes
+with exactly the dequantized matrix, and a quantized model stays close to the float one and decodes consistently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tformer import DecoderLM, EncoderDecoder, TransformerConfig, generate, greedy_seq2seq, quantize
+from tformer.quantization import Int8Linear, weight_bytes
+
+
+def test_codes_are_within_half_a_step_of_the_weights():
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 1, 48)[:, None]
+    layer = Int8Linear.from_weight(w)
+    assert layer.codes.dtype == torch.int8 and layer.codes.abs().max() == 127  # each row uses the full range
+    error = (layer.dequantized() - w).abs()
+    assert (error <= layer.scale[:, None] / 2 * (1 + 1e-6)).all()  # rounding: at most half a step per row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [24, 32])  # bfloat16: 24 takes the dequantizing path, 32 the fused kernel
+def test_the_layer_computes_with_the_dequantized_matrix(dtype, width):
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(40, width, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3, 5, width, generator=g)
+    layer = Int8Linear.from_weight(w.to(dtype), b.to(dtype))
+    oracle = x.double() @ layer.dequantized().double().T + b.to(dtype).double()  # float64, same weights
+    ours = (layer(x.to(dtype)).double() - oracle).abs().max()
+    plain = (nn.functional.linear(x.to(dtype), layer.dequantized(), b.to(dtype)).double() - oracle).abs().max()
+    assert ours <= 2 * plain + 1e-6  # the fused int8 kernel rounds no worse than the plain same-dtype product
+
+
+def tiny_lm(seed: int = 0, **changes) -> DecoderLM:
+    torch.manual_seed(seed)
+    cfg = TransformerConfig.tiny(position="rotary", num_kv_heads=2, **changes)
+    return DecoderLM(cfg).eval()
+
+
+def test_quantize_replaces_every_linear_and_the_tied_head():
+    model = tiny_lm()
+    before = weight_bytes(model)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids)
+        quantize(model)
+        logits = model(ids)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.head, Int8Linear)  # the tied head's int8 copy; the embedding stays float
+    assert model.decoder.embed.tokens.weight.dtype == torch.float32
+    # per-weight error <= half a step of 1/254 of the row's range: the logits move by a few percent of their spread
+    assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+    assert (
+        torch.equal(logits.argmax(-1), reference.argmax(-1))
+        or (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+    )
+    assert weight_bytes(model) < before  # int8 codes replace float32 matrices (the float embedding stays)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(model)
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int4'"):
+        quantize(tiny_lm(), "int4")
+
+
+def test_a_quantized_model_decodes_the_same_with_and_without_the_cache():
+    model = quantize(tiny_lm(seed=2))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    cached = generate(model, prompts, max_new_tokens=10, greedy=True)
+    full = generate(model, prompts, max_new_tokens=10, greedy=True, use_cache=False)
+    assert cached == full
+
+
+def test_bfloat16_after_quantize_keeps_the_codes():
+    model = quantize(tiny_lm()).to(torch.bfloat16)
+    layer = model.decoder.stack.blocks[0].ff.up
+    assert layer.codes.dtype == torch.int8 and layer.scale.dtype == torch.bfloat16
+    assert generate(model, [[1, 2, 3]], max_new_tokens=4, greedy=True)[0]
+
+
+def test_an_encoder_decoder_quantizes_cross_attention_included():
+    torch.manual_seed(0)
+    model = EncoderDecoder(TransformerConfig.tiny()).eval()
+    src = torch.randint(3, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tgt = torch.randint(3, model.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+        reference = model(src, tgt)
+        logits = quantize(model)(src, tgt)
+    assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+    out = greedy_seq2seq(model, src, torch.ones_like(src, dtype=torch.bool), bos_id=1, eos_id=2, max_new_tokens=6)
+    assert len(out) == 2

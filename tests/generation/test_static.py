@@ -1,0 +1,76 @@
+"""Decoding over a static KV cache (storage allocated once, written in place) and its compiled form: the same logits
+and tokens as the growing cache, left-padded batches equal to one prompt at a time, and one compiled graph per shape
+bucket: no recompilation per step (dynamo's own counters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tformer import generate
+from tformer.generation.sampling import IncrementalLM
+from tformer.generation.static import StaticLM
+from tformer.models import pad_left
+
+FLOAT32 = 1e-5  # the issue's bound for cached against uncached decoding in float32
+
+
+@pytest.mark.parametrize("position", ["rotary", "learned", "sinusoidal"])
+def test_static_cache_logits_equal_the_growing_cache(random_lm, random_prompts, position):
+    model = random_lm(position=position)
+    ids, mask = pad_left(random_prompts([3, 9, 6]), 0)
+    with torch.inference_mode():
+        grow = IncrementalLM(model, ids, mask, max_new_tokens=10)
+        static = StaticLM(model, ids, mask, max_new_tokens=10, compile=False)
+        a, b = grow.prefill(), static.prefill()
+        assert (a - b).abs().max() < FLOAT32
+        for _ in range(9):  # teacher-forced: both fed the same tokens
+            token = a.argmax(-1)
+            a, b = grow.step(token), static.step(token)
+            assert (a - b).abs().max() < FLOAT32
+
+
+@pytest.mark.parametrize("position", ["rotary", "learned"])
+def test_a_left_padded_batch_equals_one_prompt_at_a_time(random_lm, random_prompts, position):
+    model = random_lm(position=position)
+    prompts = random_prompts([2, 8, 5])
+    batch = generate(model, prompts, max_new_tokens=12, greedy=True, static_cache=True)
+    alone = [generate(model, [p], max_new_tokens=12, greedy=True, static_cache=True)[0] for p in prompts]
+    growing = generate(model, prompts, max_new_tokens=12, greedy=True)
+    assert batch == alone == growing
+
+
+def test_sampling_and_stops_work_over_the_static_cache(random_lm, random_prompts):
+    model = random_lm()
+    prompts = random_prompts([4, 6])
+    kwargs = dict(max_new_tokens=15, seed=3, top_k=5, temperature=1.2)
+    assert generate(model, prompts, static_cache=True, **kwargs) == generate(model, prompts, **kwargs)
+    eos = generate(model, prompts, max_new_tokens=15, greedy=True)[0][4]
+    assert generate(model, prompts, max_new_tokens=15, greedy=True, eos_id=eos, static_cache=True) == generate(
+        model, prompts, max_new_tokens=15, greedy=True, eos_id=eos
+    )
+
+
+def test_a_static_cache_refuses_more_than_the_learned_positions(random_lm):
+    model = random_lm(position="learned", max_seq_len=16)
+    with pytest.raises(ValueError, match="exceeds the model's 16 learned positions"):
+        generate(model, [[1, 2, 3]], max_new_tokens=20, static_cache=True)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_eager_tokens_and_compiles_once_per_bucket(random_lm, random_prompts):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = random_lm()
+    prompts = random_prompts([3, 7])
+    eager = generate(model, prompts, max_new_tokens=20, greedy=True)
+    before = counters["stats"]["unique_graphs"]
+    compiled = generate(model, prompts, max_new_tokens=20, greedy=True, compile=True)
+    assert compiled == eager
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert graphs == 2  # one prefill graph and one step graph for 19 steps: no recompilation per step
+    # another prompt length and count in the same buckets (prompt <= 64, capacity 128): no new graph
+    again = generate(model, random_prompts([5, 11], seed=1), max_new_tokens=30, greedy=True, compile=True)
+    assert counters["stats"]["unique_graphs"] - before == graphs
+    assert again == generate(model, random_prompts([5, 11], seed=1), max_new_tokens=30, greedy=True)
