@@ -471,3 +471,16 @@ def test_cli_end_to_end_in_a_subprocess(lm_run, seq2seq_run):
 def _model_and_tokenizer(run):
     ckpt = load_checkpoint(run)
     return ckpt.model, ckpt.tokenizer
+
+
+@pytest.mark.slow
+def test_cli_sample_compile_on_gives_the_eager_text_and_reports_the_compile(lm_run, capsys):
+    args = ["sample", "--checkpoint", str(lm_run), "--prompt", "abc", "--greedy", "--max-new-tokens", "10"]
+    assert main([*args, "--compile", "off"]) == 0
+    eager = capsys.readouterr()
+    assert main([*args, "--compile", "on"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == eager.out
+    assert "compiled decoding (prefill" in compiled.err and "compiled" not in eager.err
+    assert main([*args, "--compile", "auto"]) == 0  # on the CPU: eager (tformer.generation.static.auto_compile)
+    assert "compiled" not in capsys.readouterr().err

