@@ -60,29 +60,24 @@ class Client:
 
 
 def serve(path):
-    explorer = open_model(path)
-    server = ExploreServer(explorer, "127.0.0.1", 0)
+    """A server of the checkpoint at ``path`` on a free loopback port, in a thread, until the session ends."""
+    server = ExploreServer(open_model(path), "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    return server, thread
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
 
 
 @pytest.fixture(scope="session")
 def lm_server(lm_checkpoint):
-    server, thread = serve(lm_checkpoint)
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    yield from serve(lm_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def seq2seq_server(seq2seq_checkpoint):
-    server, thread = serve(seq2seq_checkpoint)
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    yield from serve(seq2seq_checkpoint)
 
 
 @pytest.fixture(scope="session")
