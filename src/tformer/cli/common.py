@@ -26,12 +26,6 @@ class Loaded:
     start: int | None
 
 
-def is_pretrained(path: str) -> bool:
-    """``path`` is a GGUF file or a Hugging Face model directory (else: a tformer run or checkpoint)."""
-    p = Path(path)
-    return (p.suffix == ".gguf" and not p.is_dir()) or (p / "config.json").is_file()
-
-
 def torch_dtype(name: str | None):
     import torch
 
@@ -41,6 +35,7 @@ def torch_dtype(name: str | None):
 def load_model(path: str, kind: str, device: str, command: str, dtype: str | None = None) -> Loaded:
     """The model at ``path`` (a tformer run or checkpoint, a Hugging Face directory or a ``.gguf`` file) on
     ``device``, in ``dtype`` (``None``: as saved); it must be a ``kind`` model and have a tokenizer."""
+    from tformer.interop import is_pretrained
     from tformer.training.runtime import resolve_device
 
     if not is_pretrained(path):

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.common import DTYPES, is_pretrained, load_run, report_errors, torch_dtype
+from tformer.cli.common import DTYPES, load_run, report_errors, torch_dtype
 
 
 def add_cli(subparsers) -> None:
@@ -42,7 +42,7 @@ def _check_out(out: str) -> Path:
 
 def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
     """Convert ``src`` into ``out``; returns the path written and what it now holds, in words."""
-    from tformer.interop import load_pretrained, save_pretrained
+    from tformer.interop import is_pretrained, load_pretrained, save_pretrained
 
     path = _check_out(out)
     if not Path(src).exists():

@@ -195,10 +195,10 @@ def display_name(path: str | Path) -> str:
 
 def load(path: str | Path) -> tuple[nn.Module, Any, str]:
     """The model (float32, eval), tokenizer and family of a tformer run, a Hugging Face directory or a GGUF file."""
-    p = Path(path)
-    if (p.suffix == ".gguf" and not p.is_dir()) or (p / "config.json").is_file():
-        from tformer.interop import load_pretrained
+    from tformer.interop import is_pretrained, load_pretrained
 
+    p = Path(path)
+    if is_pretrained(p):
         pretrained = load_pretrained(p, dtype=torch.float32)
         return pretrained.model, pretrained.tokenizer, pretrained.family
     from tformer.training.checkpoint import load_checkpoint

@@ -88,10 +88,10 @@ class Explorer:
 
 def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> Explorer:
     """An :class:`Explorer` of a tformer run or checkpoint, a Hugging Face directory or a GGUF file."""
-    p = Path(path)
-    if (p.suffix == ".gguf" and not p.is_dir()) or (p / "config.json").is_file():
-        from tformer.interop import load_pretrained
+    from tformer.interop import is_pretrained, load_pretrained
 
+    p = Path(path)
+    if is_pretrained(p):
         pretrained = load_pretrained(p, dtype=dtype, device=device)
         model, tokenizer, gen = pretrained.model, pretrained.tokenizer, pretrained.generation
         if tokenizer is None:

@@ -78,6 +78,12 @@ def build(family: Family, cfg: TransformerConfig, tensors: dict[str, Tensor], so
     return model
 
 
+def is_pretrained(path: str | os.PathLike) -> bool:
+    """``path`` is a GGUF file or a Hugging Face model directory (else: a tformer run or checkpoint)."""
+    p = Path(path)
+    return (p.suffix == ".gguf" and not p.is_dir()) or (p / hf.CONFIG).is_file()
+
+
 def load_pretrained(
     path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
 ) -> Pretrained:
@@ -232,6 +238,7 @@ __all__ = [
     "Pretrained",
     "embed",
     "family_for",
+    "is_pretrained",
     "load_pretrained",
     "save_pretrained",
 ]
