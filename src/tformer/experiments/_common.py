@@ -135,12 +135,18 @@ def single_thread() -> Iterator[None]:
 
 @torch.no_grad()
 def layer_queries_keys(
-    mha: MultiHeadAttention, x: Tensor, context: Tensor | None = None, *, positions: Tensor | None = None
+    mha: MultiHeadAttention,
+    x: Tensor,
+    context: Tensor | None = None,
+    *,
+    positions: Tensor | None = None,
+    rotate: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """The per-head queries ``(B, H, T, D)`` and keys ``(B, Hkv, S, D)`` that ``mha`` computes for one call.
 
     Recomputed from the layer's own weights: ``Q = x W^Q``, ``K = context W^K`` (``context = x`` for
-    self-attention), then RoPE when the layer has it. Arguments mirror :meth:`MultiHeadAttention.forward`.
+    self-attention), then RoPE when the layer has it (``rotate=False``: the projections before it). Arguments
+    mirror :meth:`MultiHeadAttention.forward`.
     """
     C, D = mha.d_model, mha.head_dim
     kv_dim = mha.num_kv_heads * D
@@ -151,12 +157,45 @@ def layer_queries_keys(
     B, T, S = x.shape[0], x.shape[1], source.shape[1]
     q = q.view(B, T, mha.num_heads, D).transpose(1, 2)  # (B, T, H*D) -> (B, H, T, D)
     k = k.view(B, S, mha.num_kv_heads, D).transpose(1, 2)  # (B, S, Hkv*D) -> (B, Hkv, S, D)
-    if mha.rotary is not None and context is None:
+    if rotate and mha.rotary is not None and context is None:
         pos = torch.arange(T, device=x.device) if positions is None else positions
         mha.rotary.reserve(T)
         rope = mha.rotary(pos)  # the angles of these positions
         q, k = mha.rotary.rotate(q, rope), mha.rotary.rotate(k, rope)
     return q, k
+
+
+def per_head_queries_keys(
+    mha: MultiHeadAttention, x: Tensor, context: Tensor | None = None, *, rotate: bool = True
+) -> tuple[Tensor, Tensor]:
+    """:func:`layer_queries_keys` with the keys of grouped-query heads repeated for the query heads they serve:
+    ``(B, H, T, D)`` and ``(B, H, S, D)``."""
+    q, k = layer_queries_keys(mha, x, context, rotate=rotate)
+    return q, k.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
+
+
+def attention_inputs(
+    model: torch.nn.Module, run
+) -> dict[MultiHeadAttention, tuple[Tensor, Tensor | None, Tensor | None, bool]]:
+    """Each attention layer of ``model`` with the inputs of its call during ``run()``: ``(x, context, attn_mask,
+    is_causal)`` (detached), in the order of the calls (forward pre-hooks, removed afterwards)."""
+    inputs: dict = {}
+
+    def hook(module, args, kwargs):
+        x = args[0]
+        context = args[1] if len(args) > 1 else kwargs.get("context")
+        mask = args[2] if len(args) > 2 else kwargs.get("attn_mask")
+        causal = args[3] if len(args) > 3 else kwargs.get("is_causal", False)
+        inputs[module] = (x.detach(), None if context is None else context.detach(), mask, bool(causal))
+
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in layers]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ all-MiniLM-L6-v2, the two real checkpoints ``make`` installs).
 
 Measured on one forward pass over an English paragraph (:data:`TEXT`, cut to ``seq_len`` tokens), with every
 attention layer's inputs captured by a forward hook and the layer's queries and keys recomputed from its own weights
-(:func:`tformer.experiments._common.layer_queries_keys`):
+(:func:`tformer.experiments._common.per_head_queries_keys`):
 
 1. Q1(a) scaling: per layer, the variance of the logits ``q.k`` the softmax sees (causal: the allowed pairs) before
    and after the ``1/sqrt(d_k)`` scale, and the variance of the query and key entries. The source's premise is
@@ -40,7 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.experiments._common import Table, entropy, fmt, layer_queries_keys, new_figure, save_figure
+from tformer.experiments._common import (
+    Table,
+    attention_inputs,
+    entropy,
+    fmt,
+    new_figure,
+    per_head_queries_keys,
+    save_figure,
+)
 from tformer.functional import attention_scores, attention_weights, rotate_pairs, sinusoidal_positional_encoding
 from tformer.layers import MultiHeadAttention
 from tformer.models import DecoderLM, EncoderDecoder
@@ -216,28 +224,12 @@ def _token_ids(tokenizer: Any, vocab_size: int, seq_len: int) -> list[int]:
 
 def _capture(model: nn.Module, run) -> list[tuple[MultiHeadAttention, Tensor, Tensor | None, bool]]:
     """Each self-attention layer with the input, mask and causal flag of its call during ``run()``."""
-    calls = []
-
-    def hook(module, args, kwargs):
-        x, context = args[0], args[1] if len(args) > 1 else kwargs.get("context")
-        mask = args[2] if len(args) > 2 else kwargs.get("attn_mask")
-        causal = args[3] if len(args) > 3 else kwargs.get("is_causal", False)
-        if context is None:
-            calls.append((module, x.detach(), mask, bool(causal)))
-
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in layers]
-    try:
-        run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls
+    calls = attention_inputs(model, run).items()
+    return [(m, x, mask, causal) for m, (x, context, mask, causal) in calls if context is None]
 
 
 def _layer_stats(mha: MultiHeadAttention, x: Tensor, mask: Tensor | None, causal: bool) -> LayerStats:
-    q, k = layer_queries_keys(mha, x)  # (1, H, T, D), (1, Hkv, T, D)
-    k = k.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)  # (1, H, T, D)
+    q, k = per_head_queries_keys(mha, x)  # (1, H, T, D) each
     T = q.shape[-2]
     allowed = torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)
     raw = attention_scores(q.double(), k.double(), scale=1.0)[..., allowed]
@@ -251,13 +243,8 @@ def _layer_stats(mha: MultiHeadAttention, x: Tensor, mask: Tensor | None, causal
 
 def _rope(mha: MultiHeadAttention, x: Tensor) -> tuple[float, float, list[float]]:
     """Scores of the layer's real unrotated q, k after rotation to (m, m + delta): deviation, scale, curve."""
-    rotary, mha.rotary = mha.rotary, None
-    try:
-        q, k = layer_queries_keys(mha, x)  # unrotated
-    finally:
-        mha.rotary = rotary
-    k = k.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)[0]  # (H, T, D)
-    q = q[0]
+    rotary = mha.rotary
+    q, k = (t[0] for t in per_head_queries_keys(mha, x, rotate=False))  # (H, T, D) each, unrotated
     rows = max(ROPE_STARTS) + max(ROPE_OFFSETS) + 1
     rotary.reserve(rows)
     cos, sin = rotary.cos.float(), rotary.sin.float()  # (rows, D/2)

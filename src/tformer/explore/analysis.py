@@ -178,29 +178,19 @@ def _forward(ex: Explorer, prompt: str, target: str) -> Forward:
             raise ExploreError(f"the target is {len(target_ids)} tokens long; at most {ex.max_tokens}")
     elif target:
         raise ExploreError("'target' is for encoder-decoder models; this is a language model")
-    inputs: dict = {}
-
-    def hook(module, args, kwargs):
-        x = args[0]
-        context = args[1] if len(args) > 1 else kwargs.get("context")
-        mask = args[2] if len(args) > 2 else kwargs.get("attn_mask")
-        causal = args[3] if len(args) > 3 else kwargs.get("is_causal", False)
-        inputs[module] = (x.detach(), None if context is None else context.detach(), mask, bool(causal))
+    from tformer.experiments._common import attention_inputs
 
     device = next(ex.model.parameters()).device
-    modules = [m for m in ex.model.modules() if isinstance(m, MultiHeadAttention)]
+    src = torch.tensor([ids], device=device)
+    tgt = torch.tensor([target_ids], device=device)
+    out: list[Tensor] = []
+
+    def run() -> None:
+        out.append(ex.model(src)[0, -1] if ex.kind == "lm" else ex.model(src, tgt)[0, -1])
+
     with ex.lock, torch.inference_mode():
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-        try:
-            src = torch.tensor([ids], device=device)
-            if ex.kind == "lm":
-                logits = ex.model(src)[0, -1]
-            else:
-                logits = ex.model(src, torch.tensor([target_ids], device=device))[0, -1]
-        finally:
-            for handle in handles:
-                handle.remove()
-    return Forward(ids, target_ids, logits.float().cpu(), inputs)
+        inputs = attention_inputs(ex.model, run)
+    return Forward(ids, target_ids, out[0].float().cpu(), inputs)
 
 
 def next_tokens(
@@ -238,17 +228,10 @@ def draw(ex: Explorer, logits: Tensor, seed: int, temperature: float, top_k: int
 
 def queries_keys(mha: MultiHeadAttention, inputs, *, rotate: bool = True) -> tuple[Tensor, Tensor]:
     """The layer's per-head queries ``(1, H, T, D)`` and keys, expanded to ``(1, H, S, D)``, from its inputs."""
-    from tformer.experiments._common import layer_queries_keys
+    from tformer.experiments._common import per_head_queries_keys
 
     x, context, _, _ = inputs
-    rotary = mha.rotary
-    if not rotate:
-        mha.rotary = None
-    try:
-        q, k = layer_queries_keys(mha, x, context)
-    finally:
-        mha.rotary = rotary
-    return q, k.repeat_interleave(mha.num_heads // mha.num_kv_heads, dim=1)
+    return per_head_queries_keys(mha, x, context, rotate=rotate)
 
 
 def attention_map(
