@@ -228,9 +228,10 @@ class _EmbeddedStack(nn.Module):
                 f"with a static cache of capacity {cache.capacity}: keys must be {(ids.shape[0], cache.capacity)} "
                 f"and positions {tuple(ids.shape)}; got {tuple(keys.shape)} and {tuple(positions.shape)}"
             )
-        columns = torch.arange(cache.capacity, device=ids.device)
-        allowed = columns[None, :] <= cache.slots[:, None] if self.causal else columns[None, :] >= 0  # (T, S)
-        self_mask = keys[:, None, None, :] & allowed[None, None]  # (B, 1, T, S)
+        self_mask = keys[:, None, None, :]  # (B, 1, 1, S)
+        if self.causal:
+            columns = torch.arange(cache.capacity, device=ids.device)
+            self_mask = self_mask & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
         rope = self.rotary(positions) if self.rotary is not None else None  # tables reserved by the caller
         x = self.embed(ids, positions)  # (B, T, C)
         return self.stack(

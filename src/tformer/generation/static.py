@@ -84,7 +84,6 @@ class StaticLM:
         if pad:
             ids = torch.cat([ids.new_full((B, pad), model.cfg.pad_id or 0), ids], dim=1)
             mask = torch.cat([mask.new_zeros(B, pad), mask], dim=1)
-        self.model, self.compile, self.pad = model, compile, pad
         self.capacity = round_up(P + pad + max_new_tokens) if compile else P + max_new_tokens
         self.ids = ids.new_empty(B, P + pad + max_new_tokens)  # the prompt, then the generated tokens
         self.ids[:, : P + pad] = ids
