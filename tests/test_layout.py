@@ -23,6 +23,7 @@ OVER_BUDGET = {
 LAYERS = {
     "config": 0,
     "functional": 0,
+    "kernels": 0,
     "attention": 1,
     "positions": 2,
     "layers": 2,

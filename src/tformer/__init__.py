@@ -1,7 +1,7 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
 Layers of the package (dependencies point one way):
-    config, functional (tensor math) <- attention <- positions, layers <- models <- generation, quantization <-
+    config, functional, kernels (tensor math) <- attention <- positions, layers <- models <- generation, quantization <-
     training <- interop (Hugging Face and GGUF checkpoints), experiments, claims <- explore (the page) <- cli
     (tests/test_layout.py holds it).
 
@@ -18,6 +18,9 @@ tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading di
     K        beams per source
     C        model width, d_model
     V        vocabulary size
+    M        rows of a linear layer's input (its leading dims flattened)
+    I        input features of a linear layer
+    O        output features of a linear layer
     H        query heads
     Hkv      key/value heads
     G        query heads per key/value head, H / Hkv

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer import attention
+from tformer import attention, kernels
 from tformer.config import TransformerConfig
 from tformer.positions import RotaryEmbedding
 
@@ -105,6 +105,14 @@ class LayerCache:
 # --------------------------------------------------------------------------------------------------
 # Attention and feed-forward
 # --------------------------------------------------------------------------------------------------
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state-dict keys) whose bfloat16 CPU inference at a few rows, a decode
+    step, runs tformer's matrix-vector kernel (:func:`tformer.kernels.linear`); everything else is ``F.linear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class MultiHeadAttention(nn.Module):
     """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``, ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
 
@@ -140,8 +148,8 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.dropout, self.backend, self.rotary = d_model, dropout, backend, rotary
         kv_dim = self.num_kv_heads * self.head_dim
         in_bias = bias if qkv_bias is None else qkv_bias
-        self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=in_bias)  # rows: W^Q | W^K | W^V
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W^O
+        self.in_proj = Linear(d_model, d_model + 2 * kv_dim, bias=in_bias)  # rows: W^Q | W^K | W^V
+        self.out_proj = Linear(d_model, d_model, bias=bias)  # W^O
 
     def _heads(self, t: Tensor, heads: int) -> Tensor:
         B, T, _ = t.shape
@@ -182,11 +190,11 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.self_kv.update(k, v)  # (B, Hkv, past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
             weight, bias = self.in_proj.weight, self.in_proj.bias
-            q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), H)
+            q = self._heads(kernels.linear(x, weight[:C], None if bias is None else bias[:C]), H)
             if cache is not None and cache.cross_kv is not None:
                 k, v = cache.cross_kv
             else:
-                kv = F.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
+                kv = kernels.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
                 k, v = self._heads(kv, 2 * Hkv).split_with_sizes([Hkv, Hkv], dim=1)  # (B, Hkv, S, D) x2
                 if cache is not None:
                     cache.cross_kv = (k, v)
@@ -212,8 +220,8 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-        self.up = nn.Linear(d_model, d_ff, bias=bias)
-        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.up = Linear(d_model, d_ff, bias=bias)
+        self.down = Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self.activation = ACTIVATIONS[activation]
 
@@ -230,7 +238,7 @@ class GatedFeedForward(FeedForward):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, dropout: float = 0.0, activation: str = "silu"):
         super().__init__(d_model, d_ff, bias, dropout, activation)
-        self.up = nn.Linear(d_model, 2 * d_ff, bias=bias)  # rows: W_g | W_1
+        self.up = Linear(d_model, 2 * d_ff, bias=bias)  # rows: W_g | W_1
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.up(x).chunk(2, dim=-1)  # (B, T, 2 d_ff) -> 2 x (B, T, d_ff)
@@ -256,7 +264,7 @@ class Pooler(nn.Module):
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_model, d_model)
+        self.dense = Linear(d_model, d_model)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return torch.tanh(self.dense(hidden[:, 0]))

@@ -14,9 +14,10 @@ import math
 import torch
 from torch import Tensor, nn
 
+from tformer import kernels
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
-from tformer.layers import BlockStack, LayerCache, Pooler, StaticKVCache, init_weights, make_norm
+from tformer.layers import BlockStack, LayerCache, Linear, Pooler, StaticKVCache, init_weights, make_norm
 from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
@@ -323,7 +324,7 @@ class Decoder(_EmbeddedStack):
 
 def output_head(cfg: TransformerConfig) -> nn.Linear | None:
     """A separate ``C x V`` output matrix, or ``None`` when the logits reuse the token embedding (tied)."""
-    return None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    return None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
 
 def project_logits(h: Tensor, head: nn.Module | None, tokens: nn.Embedding, bias: Tensor | None = None) -> Tensor:
@@ -332,7 +333,7 @@ def project_logits(h: Tensor, head: nn.Module | None, tokens: nn.Embedding, bias
     :func:`tformer.quantize`) is called."""
     if head is None or isinstance(head, nn.Linear):
         weight = head.weight if head is not None else tokens.weight
-        return torch.nn.functional.linear(h, weight, bias)  # (B, T, C) -> (B, T, V)
+        return kernels.linear(h, weight, bias)  # (B, T, C) -> (B, T, V)
     logits = head(h)
     return logits if bias is None else logits + bias
 

@@ -1,8 +1,11 @@
 """Weight-only int8 on a real model: SmolLM2-135M in int8 (bfloat16 activations) against bfloat16, on held-out text.
 
-Measured (this file's numbers): perplexity 86.97 (bfloat16) and 87.85 (int8) on :data:`TEXT` (166 tokens), +1.0%;
-greedy tokens on the four prompts agree position by position 95% of the time (three of four identical for 32 tokens,
-one diverges at token 26 and goes on as a paraphrase)."""
+Measured (this file's numbers): perplexity 86.97 (bfloat16) and 87.85 (int8) on :data:`TEXT` (166 tokens), +1.0%.
+Greedy tokens on the four prompts, 32 each, position by position (a sequence that diverges goes on as a paraphrase, so
+a share counts the positions before and after): int8 agrees with bfloat16 on 84% and with float32 on 88%; bfloat16
+itself agrees with float32 on 94%. (Before the bfloat16 matrix-vector kernel, ``tformer.kernels``, bfloat16 decoded
+through oneDNN's ``F.linear``: it agreed with float32 on 83% and with int8 on 95%. Summation order alone moves a
+greedy path; the kernel's bfloat16 is the closer one to float32.)"""
 
 from __future__ import annotations
 
@@ -39,11 +42,17 @@ def test_int8_perplexity_is_within_two_percent_of_bfloat16(smollm, bf16_and_int8
     assert abs(quantized / base - 1) < 0.02, (base, quantized)
 
 
-def test_int8_greedy_tokens_mostly_agree_with_bfloat16(smollm, bf16_and_int8):
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for r, s in zip(a, b, strict=True) for x, y in zip(r, s, strict=True)) / (32 * len(a))
+
+
+def test_int8_greedy_tokens_mostly_agree_with_bfloat16_and_float32(smollm, bf16_and_int8):
     bf16, int8 = bf16_and_int8
     prompts = [smollm.tokenizer.encode(p) for p in PROMPTS]
-    a = generate(bf16, prompts, max_new_tokens=32, greedy=True)
-    b = generate(int8, prompts, max_new_tokens=32, greedy=True)
-    share = sum(x == y for r, s in zip(a, b, strict=True) for x, y in zip(r, s, strict=True)) / (32 * len(PROMPTS))
-    assert share >= 0.9, share  # measured 0.95
-    assert b[0][:2] == smollm.tokenizer.encode(" Paris.")
+    exact = generate(smollm.model, prompts, max_new_tokens=32, greedy=True)  # float32
+    half = generate(bf16, prompts, max_new_tokens=32, greedy=True)
+    lossy = generate(int8, prompts, max_new_tokens=32, greedy=True)
+    assert agreement(lossy, half) >= 0.8  # measured 0.84
+    assert agreement(lossy, exact) >= 0.8  # measured 0.88
+    assert agreement(half, exact) >= 0.85  # measured 0.94
+    assert lossy[0][:2] == smollm.tokenizer.encode(" Paris.")

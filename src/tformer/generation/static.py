@@ -24,6 +24,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from tformer import kernels
 from tformer.generation.sampling import context_window
 from tformer.models import DecoderLM
 
@@ -40,6 +41,7 @@ def compiled_forward(model: DecoderLM):
     """``torch.compile`` of ``model``'s forward, made once per model. Every model and shape bucket is a graph of the
     same code object (``DecoderLM.forward``), so dynamo's recompile limit (8 by default, for the whole process) is
     raised to :data:`RECOMPILE_LIMIT`: a benchmark of two models at two lengths already needs 6."""
+    kernels.ready()  # build or load the bfloat16 kernel now: a graph being traced does not build it
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     if model not in _COMPILED:

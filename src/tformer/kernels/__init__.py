@@ -1,0 +1,150 @@
+"""Hand-written kernels where PyTorch's own leave the hardware idle: :func:`linear` for bfloat16 decoding on the CPU.
+
+Why. A decode step at batch 1 is a chain of matrix-vector products that reads every weight once per token, so its
+speed is bounded by memory bandwidth / weight bytes. On the CPU, torch 2.13's bfloat16 ``F.linear`` streams the
+weights at about 40% of the machine's bandwidth at one row (float32's MKL reaches about 100%), so bfloat16, with half
+the bytes, decoded *slower* than float32. ``gemv_bf16.cpp`` streams them at about 90% (BENCHMARKS.md "bfloat16
+matrix-vector kernel"; ``benchmarks/gemv.py``).
+
+When. :func:`linear` runs the kernel for bfloat16 CPU inputs of at most :data:`MAX_ROWS` rows (``x`` flattened to
+``(M, I)``) when no gradient is asked for; everything else (training, float32, prefill, CUDA) goes to ``F.linear``.
+It computes what ``F.linear`` computes up to the order of the float32 additions: the same products (a bfloat16
+product is exact in float32), float32 sums, one rounding to bfloat16 after the bias.
+
+Build. The C++ file is compiled for this CPU (``-march=native``) on first use, by ``torch.utils.cpp_extension``
+(about 15 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``) under a name that hashes the source, the flags, torch's version and the
+CPU's feature flags. When it cannot be built, one warning says why and :func:`linear` uses ``F.linear``: correct,
+slower. ``TFORMER_KERNELS=0`` turns the kernel off (nothing is built); :func:`enabled` does so in code (the
+benchmarks' A/B runs).
+
+Shapes: M, I, O (the package legend, :mod:`tformer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
+SOURCE = Path(__file__).with_name("gemv_bf16.cpp")
+_STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
+_ON = [os.environ.get("TFORMER_KERNELS", "1") != "0"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cflags() -> list[str]:
+    """The compiler flags; ``TFORMER_KERNEL_CFLAGS`` adds some (the tests build the portable path with
+    ``-mno-avx512f``)."""
+    return ["-O3", "-march=native", "-fopenmp", *os.environ.get("TFORMER_KERNEL_CFLAGS", "").split()]
+
+
+def build_name(cflags: list[str]) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*cflags, torch.__version__, _cpu_flags()):
+        digest.update(b"\0" + part.encode())
+    return f"tformer_kernels_{digest.hexdigest()[:16]}"
+
+
+def ready() -> bool:
+    """Build (the first time on this machine) and load the kernel; ``True`` when :func:`linear` can use it. Never
+    raises: a failed build is warned about once and remembered for the process."""
+    if _STATE["ready"] is not None or torch.compiler.is_compiling():
+        return _STATE["ready"] is True
+    if not _ON[0]:
+        return False
+    cflags = _cflags()
+    try:
+        from torch.utils import cpp_extension
+
+        if sys.stderr.isatty():
+            print("tformer: building the bfloat16 decode kernel for this CPU (once, about 15 s)", file=sys.stderr)
+        cpp_extension.load(
+            name=build_name(cflags),
+            sources=[str(SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        torch.library.register_fake("tformer::gemv_bf16")(_gemv_shape)
+    except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        _STATE.update(ready=False, error=message)
+        warnings.warn(
+            f"tformer: the bfloat16 decode kernel did not build ({message}); bfloat16 layers use F.linear "
+            "(correct, slower). TFORMER_KERNELS=0 skips the attempt.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    _STATE["ready"] = True
+    return True
+
+
+def _gemv_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # (M, O): what torch.compile traces
+
+
+def build_error() -> str | None:
+    """Why the kernel did not build, or ``None``."""
+    return _STATE["error"]  # type: ignore[return-value]
+
+
+def path() -> str | None:
+    """The code path the build took on this CPU: ``"avx512_bf16"`` or ``"portable"``; ``None`` when not built."""
+    return torch.ops.tformer.gemv_bf16_path() if ready() else None
+
+
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Turn the kernel on or off inside a ``with`` block (for A/B measurements); compiled graphs guard on it."""
+    before = _ON[0]
+    _ON[0] = on
+    try:
+        yield
+    finally:
+        _ON[0] = before
+
+
+def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` would run the kernel on these arguments."""
+    if not _ON[0] or x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() == 0:
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu"):
+        return False
+    if x.numel() > MAX_ROWS * x.shape[-1]:
+        return False
+    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return not (torch.is_grad_enabled() and wants_grad) and ready()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
+    when :func:`uses_kernel` says so."""
+    if uses_kernel(x, weight, bias):
+        y = torch.ops.tformer.gemv_bf16(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["MAX_ROWS", "build_error", "enabled", "linear", "path", "ready", "uses_kernel"]
