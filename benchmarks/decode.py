@@ -1,10 +1,11 @@
 """Decoding against the memory-bandwidth bound: eager and compiled, float32, bfloat16 and int8 weights, in one run.
 
 * The machine's read bandwidth (a ``sum`` over 1 GiB) and, per setting, the bound ``bandwidth / bytes per token``.
-* SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16,
-  compiled bfloat16, eager and compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and
-  bfloat16. The decode rate excludes prefill: (time for N tokens - time for 1) / (N - 1), best of ``--repeats``.
-  Compiled runs are timed after a first, compiling call (its wall time is reported: the compile cost).
+* SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16
+  with ``F.linear`` (``tformer.kernels`` off) and with the matrix-vector kernels, compiled bfloat16, eager and
+  compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and bfloat16. The decode rate
+  excludes prefill: (time for N tokens - time for 1) / (N - 1), best of ``--repeats``. Compiled runs are timed
+  after a first, compiling call (its wall time is reported: the compile cost).
 * The demo-size model (0.84M parameters, random weights): compiled against eager per-token time.
 * Batch 1, 4, 16 (SmolLM2, eager bfloat16 and int8): tokens/s, where decoding turns from bandwidth- to compute-bound.
 * Time to first token for a 512-token prompt (prefill), eager against compiled (SmolLM2, bfloat16).
@@ -21,7 +22,7 @@ import time
 import torch
 from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir
 
-from tformer import DecoderLM, TransformerConfig, generate, load_pretrained, quantize
+from tformer import DecoderLM, TransformerConfig, generate, kernels, load_pretrained, quantize
 from tformer.generation.static import LAST_TIMINGS
 
 
@@ -84,6 +85,7 @@ def main() -> None:
         int8 = quantize(copy.deepcopy(bf16))
         rows = [
             ("tformer eager float32", f32, False),
+            ("tformer eager bfloat16, F.linear (kernels off)", bf16, False),
             ("tformer eager bfloat16", bf16, False),
             ("tformer compiled bfloat16", bf16, True),
             ("tformer eager int8 (bfloat16 activations)", int8, False),
@@ -92,8 +94,9 @@ def main() -> None:
         rates = {}
         for name, model, compiled in rows:
             run = ours(model, [prompt], compiled)
-            first = first_call(run, new)
-            rate = decode_rate(run, new, args.repeats)
+            with kernels.enabled("kernels off" not in name):
+                first = first_call(run, new)
+                rate = decode_rate(run, new, args.repeats)
             rates[name] = rate
             bound = bw / bytes_per_token(model)
             print(

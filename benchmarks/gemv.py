@@ -4,8 +4,9 @@ A decode step multiplies one row (or a few: a batch) by every weight matrix once
 121 matrices (30 layers of q|k|v, o and gate/up/down, and the 49152 x 576 head), random and distinct, so that they
 stream from memory as in a real step (135M parameters, far past the caches), and times one pass over all of them:
 
-* float32 ``F.linear`` (MKL), bfloat16 ``F.linear`` (oneDNN) and the kernel, at M = 1, 2, 4, 8, 16 rows, best of
-  ``--repeats``, in one run, the order of the three rotated every repeat;
+* float32 ``F.linear`` (MKL), bfloat16 ``F.linear`` (oneDNN) and the bfloat16 kernel; int8 codes (bfloat16
+  activations) on ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows, best of
+  ``--repeats``, in one run, the order rotated every repeat;
 * the share of the read bandwidth (a ``sum`` over 1 GiB, measured in the same run) each reaches:
   weight bytes / time / bandwidth.
 
@@ -22,14 +23,25 @@ import torch.nn.functional as F
 from _common import bandwidth, cpu_model
 
 from tformer import kernels
+from tformer.quantization import Int8Linear
 
 LAYER = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]  # qkv, o, gate|up, down: (O, I)
 HEAD = (49152, 576)
 
 
-def one_step(weights: list[torch.Tensor], rows: int, fn) -> callable:
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
-    return lambda: [fn(xs[w.shape[1]], w) for w in weights]
+def one_step(weights: list, rows: int, fn) -> callable:
+    """One pass of ``fn(x, w)`` over all matrices, ``x`` of ``rows`` rows (bfloat16 for int8 layers)."""
+
+    def width(w) -> int:
+        return w.in_features if isinstance(w, Int8Linear) else w.shape[1]
+
+    dtype = {w.dtype if isinstance(w, torch.Tensor) else torch.bfloat16 for w in weights}.pop()
+    xs = {width(w): torch.randn(rows, width(w)).to(dtype) for w in weights}
+    return lambda: [fn(xs[width(w)], w) for w in weights]
+
+
+def pack(x: torch.Tensor, q: Int8Linear) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x, q.codes, q.scale)
 
 
 def main() -> None:
@@ -40,30 +52,35 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if not kernels.ready():
         raise SystemExit(f"the kernel did not build: {kernels.build_error()}")
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, kernel path {kernels.path()}")
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, kernels {kernels.paths()}")
     torch.manual_seed(0)
     f32 = [torch.randn(*shape) for _ in range(30) for shape in LAYER] + [torch.randn(*HEAD)]
     bf16 = [w.bfloat16() for w in f32]
+    int8 = [Int8Linear.from_weight(w) for w in bf16]
     params = sum(w.numel() for w in f32)
     bw = bandwidth()
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; {len(f32)} matrices, {params / 1e6:.1f}M weights")
-    print("| rows | float32 F.linear | bfloat16 F.linear | bfloat16 kernel | kernel / bf16 F.linear |")
-    print("|---:|---:|---:|---:|---:|")
+    names = ["float32 F.linear", "bfloat16 F.linear", "bfloat16 kernel", "int8 _weight_int8pack_mm", "int8 kernel"]
+    print(f"| rows | {' | '.join(names)} | bf16 kernel / F.linear | int8 kernel / pack |")
+    print("|---:|" + "---:|" * (len(names) + 2))
     for rows in args.rows:
-        runs = {
-            "f32": (one_step(f32, rows, F.linear), 4),
-            "bf16": (one_step(bf16, rows, F.linear), 2),
-            "kernel": (one_step(bf16, rows, lambda x, w: torch.ops.tformer.gemv_bf16(x, w, None)), 2),
-        }
-        times = {name: float("inf") for name in runs}
-        order = list(runs)
+        runs = [
+            (one_step(f32, rows, F.linear), 4),
+            (one_step(bf16, rows, F.linear), 2),
+            (one_step(bf16, rows, lambda x, w: torch.ops.tformer.gemv_bf16(x, w, None)), 2),
+            (one_step(int8, rows, pack), 1),
+            (one_step(int8, rows, lambda x, q: kernels.int8_linear(x, q.codes, q.scale)), 1),
+        ]
+        times = [float("inf")] * len(runs)
         for repeat in range(args.repeats):
-            for name in order[repeat % 3 :] + order[: repeat % 3]:
+            for i in [(repeat + j) % len(runs) for j in range(len(runs))]:  # a different order every repeat
                 start = time.perf_counter()
-                runs[name][0]()
-                times[name] = min(times[name], time.perf_counter() - start)
-        cells = [f"{times[n] * 1e3:.1f} ms ({params * runs[n][1] / times[n] / bw:.0%})" for n in runs]
-        print(f"| {rows} | {' | '.join(cells)} | {times['bf16'] / times['kernel']:.2f}x |")
+                runs[i][0]()
+                times[i] = min(times[i], time.perf_counter() - start)
+        cells = [
+            f"{t * 1e3:.1f} ms ({params * nbytes / t / bw:.0%})" for t, (_, nbytes) in zip(times, runs, strict=True)
+        ]
+        print(f"| {rows} | {' | '.join(cells)} | {times[1] / times[2]:.2f}x | {times[3] / times[4]:.2f}x |")
     print("(ms per pass over all matrices; in brackets: weight bytes / time / read bandwidth)")
 
 

@@ -2,9 +2,10 @@
 
 Each linear layer's weight ``W (out, in)`` becomes int8 codes ``Q`` and one float scale per output channel (row),
 ``s_o = max_i |W_oi| / 127``, ``Q_oi = round(W_oi / s_o)``: so ``|W_oi - s_o Q_oi| <= s_o / 2``. Activations stay in
-the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` runs on PyTorch's fused int8-weight kernel
-(``torch._weight_int8pack_mm``) on the CPU, which reads one byte per weight instead of two or four: decoding at batch
-1 reads every weight once per token, so it is bound by those bytes. Elsewhere the codes are dequantized per call.
+the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` reads one byte per weight instead of two or
+four: decoding at batch 1 reads every weight once per token, so it is bound by those bytes. On the CPU a decode step
+(at most ``tformer.kernels.MAX_ROWS`` rows) runs on tformer's int8 matrix-vector kernel, longer inputs (prefill) on
+PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``); elsewhere the codes are dequantized per call.
 
 A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself
 stays in floating point (a lookup reads only the rows of the tokens it is given). The result is for inference: the
@@ -20,6 +21,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tformer import kernels
 
 Scheme = Literal["int8"]
 
@@ -64,6 +67,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
+        if kernels.uses_int8_kernel(x, self.codes):  # a decode step: tformer's int8 matrix-vector kernel
+            return kernels.int8_linear(x, self.codes, self.scale, self.bias)
         if _fused(x, self.in_features):
             flat = x.reshape(-1, shape[-1])  # (B*T, in)
             y = torch._weight_int8pack_mm(flat, self.codes, self.scale.to(x.dtype)).reshape(*shape[:-1], -1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tformer import DecoderLM, TransformerConfig, kernels
 from tformer.layers import Linear
+from tformer.quantization import Int8Linear
 
 U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
 U_F32 = 2.0**-24
@@ -43,7 +44,8 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 
 def test_the_kernel_builds_on_this_machine():
     assert kernels.ready(), kernels.build_error()
-    assert kernels.path() in {"avx512_bf16", "portable"}
+    paths = kernels.paths()
+    assert paths["bf16"] in {"avx512_bf16", "portable"} and paths["int8"] in {"avx512", "portable"}
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -59,6 +61,33 @@ def test_the_kernel_is_within_one_bfloat16_rounding_of_float64(shape, bias):
     assert (y.double() - s).abs().max() <= 2 * plain + 1e-30
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_int8_kernel_is_within_one_rounding_of_float64(shape, dtype):
+    """``(x Q^T) s + b`` against float64 of the dequantized matrix ``s Q``: the float32 sum, the scale and the bias err
+    by at most ``delta = (I + 2) u32 (|x| |Q|^T s + |b|)``, one rounding to ``dtype`` adds ``u (|exact| + delta)``."""
+    x, w, b = case(*shape, seed=1)
+    layer = Int8Linear.from_weight(w.float(), b.float())
+    x = x.to(dtype)
+    xd, q, scale, bd = x.double(), layer.codes.double(), layer.scale.double(), b.float().double()
+    exact = (xd @ q.T) * scale + bd
+    delta = (shape[1] + 2) * U_F32 * ((xd.abs() @ q.abs().T) * scale + bd.abs())
+    u = U_BF16 if dtype == torch.bfloat16 else U_F32
+    y = torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, b.float())
+    assert y.dtype == dtype and ((y.double() - exact).abs() <= u * (exact.abs() + delta) + delta).all()
+
+
+def test_a_quantized_layer_decodes_on_the_int8_kernel_and_prefills_on_torchs():
+    x, w, b = case(8, 64, 24)
+    layer = Int8Linear.from_weight(w, b)
+    with torch.no_grad():
+        assert kernels.uses_int8_kernel(x[:1], layer.codes) and not kernels.uses_int8_kernel(x, layer.codes)
+        step, prefill = layer(x[:1]), layer(x)
+    assert torch.equal(step, kernels.int8_linear(x[:1], layer.codes, layer.scale, layer.bias))
+    oracle = x.double() @ layer.dequantized().double().T + b.double()
+    assert (step.double() - oracle[:1]).abs().max() <= 2 * (prefill.double() - oracle).abs().max()
+
+
 def test_the_kernel_refuses_mismatched_arguments_by_name():
     x, w, b = case(2, 16, 8)
     with pytest.raises(RuntimeError, match="x has 16 columns, weight 15"):
@@ -67,6 +96,11 @@ def test_the_kernel_refuses_mismatched_arguments_by_name():
         torch.ops.tformer.gemv_bf16(x.float(), w, None)
     with pytest.raises(RuntimeError, match="bias of 8 values"):
         torch.ops.tformer.gemv_bf16(x, w, b[:7])
+    codes = torch.zeros(8, 16, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="need 8 scales"):
+        torch.ops.tformer.gemv_int8(x, codes, torch.ones(7), None)
+    with pytest.raises(RuntimeError, match="need int8 codes"):
+        torch.ops.tformer.gemv_int8(x, codes.float(), torch.ones(8), None)
 
 
 def test_linear_routes_only_gradient_free_bfloat16_cpu_calls_of_few_rows_to_the_kernel():
@@ -151,7 +185,7 @@ CHILD = textwrap.dedent(
         y = kernels.linear(x, w)
     s = x.double() @ w.double().T
     bound = 2.0**-8 * s.abs() + 101 * 2.0**-24 * (1 + 2.0**-8) * (x.double().abs() @ w.double().abs().T)
-    print(json.dumps({"ready": ready, "path": kernels.path(), "warnings": [str(c.message) for c in caught],
+    print(json.dumps({"ready": ready, "paths": kernels.paths(), "warnings": [str(c.message) for c in caught],
                       "within": bool(((y.double() - s).abs() <= bound).all()),
                       "is_f_linear": bool(torch.equal(y, F.linear(x, w)))}))
     """
@@ -169,13 +203,14 @@ def child(**env: str) -> dict:
 @pytest.mark.slow
 def test_the_portable_path_builds_and_is_within_the_same_bound():
     result = child(TFORMER_KERNEL_CFLAGS="-mno-avx512f")  # on x86: no AVX-512, so no dpbf16
-    assert result["ready"] and result["path"] == "portable" and result["within"] and not result["warnings"]
+    assert result["ready"] and result["within"] and not result["warnings"]
+    assert result["paths"] == {"bf16": "portable", "int8": "portable"}
 
 
 @pytest.mark.slow
 def test_a_failed_build_warns_once_and_falls_back_to_f_linear(tmp_path):
     result = child(CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path))
-    assert not result["ready"] and result["path"] is None and result["is_f_linear"]
+    assert not result["ready"] and result["paths"] is None and result["is_f_linear"]
     assert len(result["warnings"]) == 1 and "did not build" in result["warnings"][0]
     assert "TFORMER_KERNELS=0" in result["warnings"][0]
 

@@ -1,15 +1,17 @@
-"""Hand-written kernels where PyTorch's own leave the hardware idle: :func:`linear` for bfloat16 decoding on the CPU.
+"""Hand-written kernels where PyTorch's own leave the hardware idle: matrix-vector products for decoding on the CPU,
+in bfloat16 (:func:`linear`) and with weight-only int8 (:func:`int8_linear`, for :func:`tformer.quantize`).
 
 Why. A decode step at batch 1 is a chain of matrix-vector products that reads every weight once per token, so its
 speed is bounded by memory bandwidth / weight bytes. On the CPU, torch 2.13's bfloat16 ``F.linear`` streams the
 weights at about 40% of the machine's bandwidth at one row (float32's MKL reaches about 100%), so bfloat16, with half
-the bytes, decoded *slower* than float32. ``gemv_bf16.cpp`` streams them at about 90% (BENCHMARKS.md "bfloat16
-matrix-vector kernel"; ``benchmarks/gemv.py``).
+the bytes, decoded *slower* than float32. ``gemv.cpp`` streams them at about 90-100% (BENCHMARKS.md "Matrix-vector
+kernels"; ``benchmarks/gemv.py``), and the int8 codes the same way (one byte per weight, widened in registers).
 
 When. :func:`linear` runs the kernel for bfloat16 CPU inputs of at most :data:`MAX_ROWS` rows (``x`` flattened to
 ``(M, I)``) when no gradient is asked for; everything else (training, float32, prefill, CUDA) goes to ``F.linear``.
 It computes what ``F.linear`` computes up to the order of the float32 additions: the same products (a bfloat16
-product is exact in float32), float32 sums, one rounding to bfloat16 after the bias.
+product is exact in float32), float32 sums, one rounding to bfloat16 after the bias. :func:`int8_linear` takes the
+same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``, float32 inside, one rounding.
 
 Build. The C++ file is compiled for this CPU (``-march=native``) on first use, by ``torch.utils.cpp_extension``
 (about 15 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
-SOURCE = Path(__file__).with_name("gemv_bf16.cpp")
+SOURCE = Path(__file__).with_name("gemv.cpp")
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
 _ON = [os.environ.get("TFORMER_KERNELS", "1") != "0"]
 
@@ -85,6 +87,7 @@ def ready() -> bool:
             verbose=False,
         )
         torch.library.register_fake("tformer::gemv_bf16")(_gemv_shape)
+        torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         _STATE.update(ready=False, error=message)
@@ -103,14 +106,21 @@ def _gemv_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])  # (M, O): what torch.compile traces
 
 
+def _int8_shape(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])  # (M, O)
+
+
 def build_error() -> str | None:
     """Why the kernel did not build, or ``None``."""
     return _STATE["error"]  # type: ignore[return-value]
 
 
-def path() -> str | None:
-    """The code path the build took on this CPU: ``"avx512_bf16"`` or ``"portable"``; ``None`` when not built."""
-    return torch.ops.tformer.gemv_bf16_path() if ready() else None
+def paths() -> dict[str, str] | None:
+    """The code paths the build took on this CPU, e.g. ``{"bf16": "avx512_bf16", "int8": "avx512"}`` (else
+    ``"portable"``); ``None`` when not built."""
+    if not ready():
+        return None
+    return dict(part.split("=") for part in torch.ops.tformer.gemv_paths().split())
 
 
 @contextlib.contextmanager
@@ -138,13 +148,41 @@ def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     return not (torch.is_grad_enabled() and wants_grad) and ready()
 
 
+def uses_int8_kernel(x: Tensor, codes: Tensor) -> bool:
+    """Whether :func:`int8_linear` may run on these arguments (as :func:`uses_kernel`; float32 ``x`` too)."""
+    if not _ON[0] or x.device.type != "cpu" or codes.device.type != "cpu" or x.dim() == 0:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float32) or codes.dtype != torch.int8 or codes.dim() != 2:
+        return False
+    if x.numel() > MAX_ROWS * x.shape[-1]:
+        return False
+    return not (torch.is_grad_enabled() and x.requires_grad) and ready()
+
+
+def int8_linear(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``(x (..., I) @ codes (O, I)^T) * scale (O,) + bias (O,) -> (..., O)`` in ``x``'s dtype, on the kernel (the
+    caller checks :func:`uses_int8_kernel`)."""
+    y = torch.ops.tformer.gemv_int8(x.reshape(-1, x.shape[-1]), codes, scale, bias)  # (M, O)
+    return y.view(*x.shape[:-1], codes.shape[0])
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
     when :func:`uses_kernel` says so."""
-    if uses_kernel(x, weight, bias):
+    if x.dtype == torch.bfloat16 and uses_kernel(x, weight, bias):  # the dtype first: float32 layers pay one test
         y = torch.ops.tformer.gemv_bf16(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-__all__ = ["MAX_ROWS", "build_error", "enabled", "linear", "path", "ready", "uses_kernel"]
+__all__ = [
+    "MAX_ROWS",
+    "build_error",
+    "enabled",
+    "int8_linear",
+    "linear",
+    "paths",
+    "ready",
+    "uses_int8_kernel",
+    "uses_kernel",
+]
