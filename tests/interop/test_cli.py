@@ -199,3 +199,15 @@ def test_sample_quantize_int8_continues_as_the_quantized_model_does(tiny_gguf, c
         "int8",
     )
     assert code == 0 and out == "the cat" + pretrained.tokenizer.decode(new) + "\n"
+
+
+def test_the_explorer_starts_a_converted_marian_runs_decoder_at_its_pad_id(tmp_path, capsys):
+    """``tformer convert`` keeps a Hugging Face model's special ids in the run; the explorer reads them as ``sample``
+    and ``translate`` do (Marian's decoder starts at pad, not at the tokenizer's bos)."""
+    from tformer.explore.analysis import open_model
+
+    tiny_hf("marian", seed=1).eval().save_pretrained(tmp_path / "marian")
+    word_tokenizer().save(str(tmp_path / "marian" / "tokenizer.json"))
+    assert cli(capsys, "convert", str(tmp_path / "marian"), "--out", str(tmp_path / "run"))[0] == 0
+    assert open_model(tmp_path / "run").start_id == PAD
+    assert open_model(tmp_path / "marian").start_id == PAD
