@@ -4,10 +4,12 @@ bucket: no recompilation per step (dynamo's own counters)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from tformer import generate
+from tformer import generate, quantize
 from tformer.generation.sampling import IncrementalLM
 from tformer.generation.static import StaticLM
 from tformer.models import pad_left
@@ -74,3 +76,20 @@ def test_compiled_decoding_gives_eager_tokens_and_compiles_once_per_bucket(rando
     again = generate(model, random_prompts([5, 11], seed=1), max_new_tokens=30, greedy=True, compile=True)
     assert counters["stats"]["unique_graphs"] - before == graphs
     assert again == generate(model, random_prompts([5, 11], seed=1), max_new_tokens=30, greedy=True)
+
+
+@pytest.mark.slow
+def test_compiled_steps_after_the_first_still_run_each_models_own_graph(random_lm, random_prompts):
+    """After its first step a static generation skips dynamo's full guard evaluation (``StaticLM.step``): only the
+    guards that tell cached graphs apart run. Models that share the code object and every shape (other weights, a
+    bfloat16 copy on the matrix-vector kernel, an int8 copy), compiled and run in turn, still each give their own
+    eager tokens."""
+    torch._dynamo.reset()
+    prompts = random_prompts([4, 9])
+    first = random_lm()
+    models = [first, random_lm(seed=1), copy.deepcopy(first).bfloat16(), quantize(copy.deepcopy(first).bfloat16())]
+    eager = [generate(m, prompts, max_new_tokens=12, greedy=True, static_cache=True) for m in models]
+    assert len({str(tokens) for tokens in eager}) == len(models)  # four different outputs to tell apart
+    for _ in range(2):  # the second round finds every graph cached
+        for model, tokens in zip(models, eager, strict=True):
+            assert generate(model, prompts, max_new_tokens=12, greedy=True, compile=True) == tokens

@@ -55,10 +55,11 @@ def auto_compile(device: torch.device | str) -> bool:
 
     On CUDA: compile (CUDA graphs make a decode step one launch; the compile takes seconds). On the CPU: do not.
     Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding"): compiling SmolLM2-135M's
-    decode took 145 s in bfloat16 for 11 ms/token saved (79.4 -> 68.5), 106 s in int8 for 20 ms/token (42.7 ->
-    22.3): it pays off after 5,000-13,000 tokens, more than a sampling command makes. ``--compile on`` compiles on
-    the CPU when asked. The dtype stays as saved: bfloat16 is not exact (and on that CPU it decodes slower than
-    float32, 12.6 against 17.7 tok/s), and int8 is lossy: both only when asked.
+    decode took 148 s in bfloat16 for 19.5 ms/token saved (45.5 -> 26.0, on tformer's matrix-vector kernel), 112 s
+    in int8 for 18.8 ms/token (36.9 -> 18.1): it pays off after 6,000-7,600 tokens, more than a sampling command
+    makes. ``--compile on`` compiles on the CPU when asked. The dtype stays as saved: bfloat16 is not exact (on that
+    CPU it now decodes faster than float32, 22.0 against 16.5 tok/s, but it is a different function), and int8 is
+    lossy: both only when asked.
     """
     return torch.device(device).type == "cuda"
 

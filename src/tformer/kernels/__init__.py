@@ -89,7 +89,8 @@ def ready() -> bool:
         torch.library.register_fake("tformer::gemv_bf16")(_gemv_shape)
         torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
-        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        message = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]  # the compiler's own
         _STATE.update(ready=False, error=message)
         warnings.warn(
             f"tformer: the bfloat16 decode kernel did not build ({message}); bfloat16 layers use F.linear "

@@ -45,6 +45,14 @@ constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one acc
 constexpr int64_t kPrefetchRows = 8;  // rows of W requested ahead of the one being read
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
 
+// Software prefetch of row n + kPrefetchRows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
+// whole window at the block's start measured slower: it competes with the demand misses of the first rows).
+inline void prefetch_ahead(const char* block, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n) {
+  if (n + kPrefetchRows >= n1) return;
+  const char* row = block + (n + kPrefetchRows - n0) * row_bytes;
+  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+}
+
 #ifdef TFORMER_AVX512_BF16
 // out[r, n] = sum_k x[r, k] w[n, k] for rows n0 <= n < n1 of W and R rows of x.
 template <int R>
@@ -54,11 +62,7 @@ void rows_avx512(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_
   const __mmask32 tail_mask = tail ? static_cast<__mmask32>((1u << tail) - 1u) : 0;
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
-    if (n + kPrefetchRows < n1) {
-      for (int64_t k = 0; k < K; k += 32) {  // one 64-byte line per 32 weights
-        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * K + k), _MM_HINT_T0);
-      }
-    }
+    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -85,6 +89,7 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
   constexpr int kLanes = 16;
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
+    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
     float acc[R][kLanes] = {};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
@@ -163,17 +168,25 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::o
 inline __m512 widen(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }  // 16 int8 -> float32
 #endif
 
+// A float32 or bfloat16 vector read as float32 (the scales and the bias, in the model's dtype: no conversion call).
+struct Floats {
+  const void* data = nullptr;
+  bool is_bf16 = false;
+  float operator[](int64_t i) const {
+    return is_bf16 ? static_cast<float>(static_cast<const bf16*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+  explicit operator bool() const { return data != nullptr; }
+};
+
 // Weight-only int8: out[r, n] = (sum_k xf[r, k] q[n, k]) * scale[n] + bias[n], xf float32 (R rows of K).
 template <int R, typename Out>
-void rows_int8(const float* xf, const int8_t* q, const float* scale, const float* bias, Out* y, int64_t K, int64_t N,
-               int64_t n0, int64_t n1) {
+void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t K, int64_t N, int64_t n0,
+               int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qr = q + n * K;
     float sum[R];
+    prefetch_ahead(reinterpret_cast<const char*>(q + n0 * K), K, n0, n1, n);
 #ifdef TFORMER_AVX512_INT8
-    if (n + kPrefetchRows < n1) {
-      for (int64_t k = 0; k < K; k += 64) _mm_prefetch(reinterpret_cast<const char*>(qr + kPrefetchRows * K + k), _MM_HINT_T0);
-    }
     // U independent accumulators per row of x: widening and one FMA per 16 bytes would otherwise wait on the
     // FMA's latency, below the bandwidth the loads could have.
     constexpr int U = R == 1 ? 4 : 2;
@@ -224,8 +237,8 @@ void rows_int8(const float* xf, const int8_t* q, const float* scale, const float
 }
 
 template <typename Out>
-void int8_all_rows(const float* xf, const int8_t* q, const float* scale, const float* bias, Out* y, int64_t M,
-                   int64_t K, int64_t N) {
+void int8_all_rows(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t M, int64_t K,
+                   int64_t N) {
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
       const float* xr = xf + r0 * K;
@@ -251,23 +264,30 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu() && scale.device().is_cpu(), "gemv_int8: need CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, "gemv_int8: need ", N, " scales; got ", scale.sizes());
-  const at::Tensor sf = scale.to(at::kFloat).contiguous();
-  at::Tensor bf;
+  const auto is_float = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+  };
+  TORCH_CHECK(is_float(scale), "gemv_int8: need float32 or bfloat16 scales; got ", scale.scalar_type());
+  const at::Tensor sc = scale.contiguous(), qc = codes.contiguous(), xc = x.contiguous();
+  at::Tensor bc;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "gemv_int8: need a CPU bias of ",
-                N, " values; got ", bias->sizes());
-    bf = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu() && is_float(*bias),
+                "gemv_int8: need a float32 or bfloat16 CPU bias of ", N, " values; got ", bias->scalar_type(), " ",
+                bias->sizes());
+    bc = bias->contiguous();
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), qc = codes.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  const float* bp = bf.defined() ? bf.const_data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kBFloat16) {
-    int8_all_rows(xf.const_data_ptr<float>(), qc.const_data_ptr<int8_t>(), sf.const_data_ptr<float>(), bp,
-                  y.mutable_data_ptr<bf16>(), M, K, N);
+  const Floats sv{sc.const_data_ptr(), sc.scalar_type() == at::kBFloat16};
+  const Floats bv{bc.defined() ? bc.const_data_ptr() : nullptr, bc.defined() && bc.scalar_type() == at::kBFloat16};
+  if (xc.scalar_type() == at::kBFloat16) {
+    std::vector<float> xf(M * K);  // x widened once: every row of the codes reuses it
+    const bf16* xp = xc.const_data_ptr<bf16>();
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+    int8_all_rows(xf.data(), qc.const_data_ptr<int8_t>(), sv, bv, y.mutable_data_ptr<bf16>(), M, K, N);
   } else {
-    int8_all_rows(xf.const_data_ptr<float>(), qc.const_data_ptr<int8_t>(), sf.const_data_ptr<float>(), bp,
-                  y.mutable_data_ptr<float>(), M, K, N);
+    int8_all_rows(xc.const_data_ptr<float>(), qc.const_data_ptr<int8_t>(), sv, bv, y.mutable_data_ptr<float>(), M, K,
+                  N);
   }
   return y;
 }
