@@ -4,8 +4,6 @@ bucket: no recompilation per step (dynamo's own counters)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -81,13 +79,12 @@ def test_compiled_decoding_gives_eager_tokens_and_compiles_once_per_bucket(rando
 @pytest.mark.slow
 def test_compiled_steps_after_the_first_still_run_each_models_own_graph(random_lm, random_prompts):
     """After its first step a static generation skips dynamo's full guard evaluation (``StaticLM.step``): only the
-    guards that tell cached graphs apart run. Models that share the code object and every shape (other weights, a
-    bfloat16 copy on the matrix-vector kernel, an int8 copy), compiled and run in turn, still each give their own
-    eager tokens."""
+    guards that tell cached graphs apart run. Models that share the code object and every shape (float32, bfloat16
+    on the matrix-vector kernel, int8; each with its own weights), compiled and run in turn, still each give their
+    own eager tokens."""
     torch._dynamo.reset()
     prompts = random_prompts([4, 9])
-    first = random_lm()
-    models = [first, random_lm(seed=1), copy.deepcopy(first).bfloat16(), quantize(copy.deepcopy(first).bfloat16())]
+    models = [random_lm(), random_lm(seed=1), random_lm(seed=2).bfloat16(), quantize(random_lm(seed=3).bfloat16())]
     eager = [generate(m, prompts, max_new_tokens=12, greedy=True, static_cache=True) for m in models]
     assert len({str(tokens) for tokens in eager}) == len(models)  # four different outputs to tell apart
     for _ in range(2):  # the second round finds every graph cached
