@@ -29,18 +29,19 @@ import torch
 import torch.nn.functional as F
 from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir
 
-from tformer import embed, generate, load_pretrained, quantize
+from tformer import embed, generate, kernels, load_pretrained, quantize
 
 
 def matmul_rate(model: torch.nn.Module, repeats: int) -> float:
-    """tokens/s of a decode step's matrix-vector products alone: ``F.linear`` of a 1-row input with every weight
-    matrix in turn (the head's too), as eager PyTorch runs them. The ceiling for any eager decoder on these kernels."""
+    """tokens/s of a decode step's matrix-vector products alone: every layer's matrix (the head's too) times a
+    1-row input, through the layers as tformer calls them (bfloat16: ``tformer.kernels``' matrix-vector kernel). The
+    ceiling for an eager decoder on these kernels."""
     from tformer.quantization import Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
     if getattr(model, "head", None) is None:
         tokens = model.decoder.embed.tokens  # the tied head
-        layers.append(lambda x: F.linear(x, tokens.weight))
+        layers.append(lambda x: kernels.linear(x, tokens.weight))
     dtype = model.decoder.embed.tokens.weight.dtype
     width = model.cfg.d_model
     inputs = {n: torch.randn(1, 1, n, dtype=dtype) for n in (width, model.cfg.d_ff, 2 * model.cfg.d_ff)}
@@ -204,21 +205,21 @@ def main() -> None:
             assert rates["tformer"][1] == rates["transformers"][1], "the float32 greedy tokens differ"
         per_token = bytes_per_token(ours)
         bound = bw / per_token
-        kernels = matmul_rate(ours, args.repeats)
+        matmuls = matmul_rate(ours, args.repeats)
         a, b = rates["tformer"][0], rates["transformers"][0]
         print(
-            f"| {str(dtype).removeprefix('torch.')} | {per_token / 1e6:.0f} | {bound:.1f} | {kernels:.1f} | {a:.1f} | "
+            f"| {str(dtype).removeprefix('torch.')} | {per_token / 1e6:.0f} | {bound:.1f} | {matmuls:.1f} | {a:.1f} | "
             f"{a / bound:.0%} | {b:.1f} | **{a / b:.2f}x** |"
         )
         hf_rates[dtype] = b
         if dtype == torch.bfloat16 or args.int8_float32:
             quantized = quantize(copy.deepcopy(ours))
             a = decode_rates(quantized, hf, prompt, args.new_tokens, args.repeats, ours_only=True)["tformer"][0]
-            per_token, kernels = bytes_per_token(quantized), matmul_rate(quantized, args.repeats)
+            per_token, matmuls = bytes_per_token(quantized), matmul_rate(quantized, args.repeats)
             bound = bw / per_token
             print(
                 f"| int8 weights, {str(dtype).removeprefix('torch.')} activations | {per_token / 1e6:.0f} | "
-                f"{bound:.1f} | {kernels:.1f} | {a:.1f} | {a / bound:.0%} | ({b:.1f}) | **{a / b:.2f}x** |"
+                f"{bound:.1f} | {matmuls:.1f} | {a:.1f} | {a / bound:.0%} | ({b:.1f}) | **{a / b:.2f}x** |"
             )
             del quantized
     del hf32, smollm
