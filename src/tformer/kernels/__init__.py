@@ -3,9 +3,10 @@ in bfloat16 (:func:`linear`) and with weight-only int8 (:func:`int8_linear`, for
 
 Why. A decode step at batch 1 is a chain of matrix-vector products that reads every weight once per token, so its
 speed is bounded by memory bandwidth / weight bytes. On the CPU, torch 2.13's bfloat16 ``F.linear`` streams the
-weights at about 40% of the machine's bandwidth at one row (float32's MKL reaches about 100%), so bfloat16, with half
-the bytes, decoded *slower* than float32. ``gemv.cpp`` streams them at about 90-100% (BENCHMARKS.md "Matrix-vector
-kernels"; ``benchmarks/gemv.py``), and the int8 codes the same way (one byte per weight, widened in registers).
+weights at about 40% of the machine's bandwidth at one row (float32's MKL reaches about 90%), so bfloat16, with half
+the bytes, decoded *slower* than float32. ``gemv.cpp`` streams them at 85-100% (BENCHMARKS.md "Matrix-vector
+kernels"; ``benchmarks/gemv.py``). Its int8 form reads one byte per weight, widened in registers, at 50-65%: at half
+the bytes the fixed start-up of each call weighs twice as much (still 1.2-1.3x ``torch._weight_int8pack_mm``).
 
 When. :func:`linear` runs the kernel for bfloat16 CPU inputs of at most :data:`MAX_ROWS` rows (``x`` flattened to
 ``(M, I)``) when no gradient is asked for; everything else (training, float32, prefill, CUDA) goes to ``F.linear``.
