@@ -136,29 +136,32 @@ def enabled(on: bool) -> Iterator[None]:
         _ON[0] = before
 
 
-def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` would run the kernel on these arguments."""
-    if not _ON[0] or x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() == 0:
-        return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return False
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu"):
+def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
+    """The checks both kernels share: turned on, CPU tensors, a matrix, at most :data:`MAX_ROWS` rows of ``x``, no
+    gradient asked for, and the kernel built."""
+    if not _ON[0] or x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() == 0 or weight.dim() != 2:
         return False
     if x.numel() > MAX_ROWS * x.shape[-1]:
         return False
-    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     return not (torch.is_grad_enabled() and wants_grad) and ready()
+
+
+def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` would run the kernel on these arguments (the dtypes first: float32 layers pay one
+    test)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu"):
+        return False
+    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return _decode_call(x, weight, wants_grad)
 
 
 def uses_int8_kernel(x: Tensor, codes: Tensor) -> bool:
     """Whether :func:`int8_linear` may run on these arguments (as :func:`uses_kernel`; float32 ``x`` too)."""
-    if not _ON[0] or x.device.type != "cpu" or codes.device.type != "cpu" or x.dim() == 0:
+    if x.dtype not in (torch.bfloat16, torch.float32) or codes.dtype != torch.int8:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float32) or codes.dtype != torch.int8 or codes.dim() != 2:
-        return False
-    if x.numel() > MAX_ROWS * x.shape[-1]:
-        return False
-    return not (torch.is_grad_enabled() and x.requires_grad) and ready()
+    return _decode_call(x, codes, x.requires_grad)
 
 
 def int8_linear(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -171,7 +174,7 @@ def int8_linear(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None = N
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
     when :func:`uses_kernel` says so."""
-    if x.dtype == torch.bfloat16 and uses_kernel(x, weight, bias):  # the dtype first: float32 layers pay one test
+    if uses_kernel(x, weight, bias):
         y = torch.ops.tformer.gemv_bf16(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
