@@ -82,30 +82,37 @@ void rows_avx512(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_
 }
 #endif
 
-// The same on any CPU; xf is x in float32 (R rows of K).
+// sum[r] = sum_k xf[r, k] w[k] for one row w of K weights (bfloat16 or int8) and R rows of xf (float32), on any
+// CPU: 16 independent lanes per row of x, which compilers vectorize; the order of the additions is fixed.
+template <int R, typename W>
+void dot_portable(const float* xf, const W* w, int64_t K, float* sum) {
+  constexpr int kLanes = 16;
+  float acc[R][kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    float wf[kLanes];
+    for (int j = 0; j < kLanes; ++j) wf[j] = static_cast<float>(w[k + j]);
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < kLanes; ++j) acc[r][j] += wf[j] * xf[r * K + k + j];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    sum[r] = 0.0f;
+    for (int j = 0; j < kLanes; ++j) sum[r] += acc[r][j];
+    for (int64_t kk = k; kk < K; ++kk) sum[r] += static_cast<float>(w[kk]) * xf[r * K + kk];
+  }
+}
+
+// The bfloat16 rows on any CPU; xf is x in float32 (R rows of K).
 template <int R>
 void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t N, int64_t n0,
                    int64_t n1) {
-  constexpr int kLanes = 16;
   for (int64_t n = n0; n < n1; ++n) {
-    const bf16* wr = w + n * K;
     prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
-    float acc[R][kLanes] = {};
-    int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes) {
-      float wf[kLanes];
-      for (int j = 0; j < kLanes; ++j) wf[j] = static_cast<float>(wr[k + j]);
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < kLanes; ++j) acc[r][j] += wf[j] * xf[r * K + k + j];
-      }
-    }
+    float sum[R];
+    dot_portable<R>(xf, w + n * K, K, sum);
     const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
-    for (int r = 0; r < R; ++r) {
-      float sum = 0.0f;
-      for (int j = 0; j < kLanes; ++j) sum += acc[r][j];
-      for (int64_t kk = k; kk < K; ++kk) sum += static_cast<float>(wr[kk]) * xf[r * K + kk];
-      y[r * N + n] = bf16(sum + b);
-    }
+    for (int r = 0; r < R; ++r) y[r * N + n] = bf16(sum[r] + b);
   }
 }
 
@@ -215,21 +222,7 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
       sum[r] = _mm512_reduce_add_ps(acc[r][0]);
     }
 #else
-    constexpr int kLanes = 16;
-    float acc[R][kLanes] = {};
-    int64_t k = 0;
-    for (; k + kLanes <= K; k += kLanes) {
-      float qf[kLanes];
-      for (int j = 0; j < kLanes; ++j) qf[j] = static_cast<float>(qr[k + j]);
-      for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < kLanes; ++j) acc[r][j] += qf[j] * xf[r * K + k + j];
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      sum[r] = 0.0f;
-      for (int j = 0; j < kLanes; ++j) sum[r] += acc[r][j];
-      for (int64_t kk = k; kk < K; ++kk) sum[r] += static_cast<float>(qr[kk]) * xf[r * K + kk];
-    }
+    dot_portable<R>(xf, qr, K, sum);
 #endif
     const float b = bias ? bias[n] : 0.0f;
     for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(sum[r] * scale[n] + b);
