@@ -186,8 +186,17 @@ CHILD = textwrap.dedent(
         y = kernels.linear(x, w)
     s = x.double() @ w.double().T
     bound = 2.0**-8 * s.abs() + 101 * 2.0**-24 * (1 + 2.0**-8) * (x.double().abs() @ w.double().abs().T)
+    within_int8 = None
+    if ready:  # the int8 form of the same build, against float64 of its dequantized matrix
+        from tformer.quantization import Int8Linear
+        layer = Int8Linear.from_weight(w)
+        yq = torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, None)
+        xd, qd, sd = x.double(), layer.codes.double(), layer.scale.double()
+        exact = (xd @ qd.T) * sd
+        delta = 102 * 2.0**-24 * (xd.abs() @ qd.abs().T) * sd
+        within_int8 = bool(((yq.double() - exact).abs() <= 2.0**-8 * (exact.abs() + delta) + delta).all())
     print(json.dumps({"ready": ready, "paths": kernels.paths(), "warnings": [str(c.message) for c in caught],
-                      "within": bool(((y.double() - s).abs() <= bound).all()),
+                      "within": bool(((y.double() - s).abs() <= bound).all()), "within_int8": within_int8,
                       "is_f_linear": bool(torch.equal(y, F.linear(x, w)))}))
     """
 )
@@ -205,7 +214,7 @@ def child(**env: str) -> dict:
 @pytest.mark.skipif(platform.machine() not in {"x86_64", "AMD64"}, reason="-mno-avx512f is an x86 flag")
 def test_the_portable_path_builds_and_is_within_the_same_bound():
     result = child(TFORMER_KERNEL_CFLAGS="-mno-avx512f")  # on x86: no AVX-512, so no dpbf16
-    assert result["ready"] and result["within"] and not result["warnings"]
+    assert result["ready"] and result["within"] and result["within_int8"] and not result["warnings"]
     assert result["paths"] == {"bf16": "portable", "int8": "portable"}
 
 
