@@ -17,6 +17,7 @@ Shapes: B, P, S, V (the package legend, :mod:`tformer`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
@@ -121,13 +122,11 @@ class StaticLM:
         start = time.perf_counter()
         self.ids.select(1, self.length).copy_(tokens)
         self.keys.index_fill_(1, self.slot, True)
-        if self.compiled and self.steps:
-            # The first step ran dynamo's guards and chose the graph; every later step passes the same objects with
-            # the same shapes, so only the guards that tell cached graphs apart need to run (the guard checks of a
-            # step's ~10 tensors per layer otherwise cost about as much as the whole demo model's arithmetic).
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                logits = self.forward(tokens[:, None], self.keys, self.cache, self.position)[:, -1]
-        else:
+        # The first step ran dynamo's guards and chose the graph; every later step passes the same objects with the
+        # same shapes, so only the guards that tell cached graphs apart need to run (the guard checks of a step's
+        # ~10 tensors per layer otherwise cost about as much as the whole demo model's arithmetic).
+        later = self.compiled and self.steps
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if later else contextlib.nullcontext():
             logits = self.forward(tokens[:, None], self.keys, self.cache, self.position)[:, -1]
         self.length += 1
         self.slot.add_(1)
