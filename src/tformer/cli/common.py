@@ -42,10 +42,8 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
         ckpt = load_run(path, kind, device, command)
         if dtype is not None:
             ckpt.model.to(torch_dtype(dtype))
-        tok, gen = ckpt.tokenizer, ckpt.train_config.get("generation") or {}  # a converted model's special ids
-        eos = tuple(gen.get("eos") or (() if tok.eos_id is None else (tok.eos_id,)))
-        start = gen.get("decoder_start" if kind == "seq2seq" else "bos")
-        return Loaded(ckpt.model, tok, ckpt.path, eos, tok.bos_id if start is None else start)
+        eos, start = ckpt.special_ids()
+        return Loaded(ckpt.model, ckpt.tokenizer, ckpt.path, eos, start)
     from tformer.interop import MODEL_CLASSES, load_pretrained
 
     pretrained = load_pretrained(path, dtype=torch_dtype(dtype), device=resolve_device(device))

@@ -105,10 +105,7 @@ def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | No
         model, tokenizer = ckpt.model, ckpt.tokenizer
         if dtype is not None:
             model.to(dtype)
-        gen = ckpt.train_config.get("generation") or {}  # a converted model's special ids (`tformer convert`)
-        start = gen.get("decoder_start")
-        start = getattr(tokenizer, "bos_id", None) if start is None else start
-        name = p.resolve().name
+        start, name = ckpt.special_ids()[1], p.resolve().name
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ExploreError(
             f"{path} holds a {type(model).__name__}; the page shows language models and encoder-decoders"

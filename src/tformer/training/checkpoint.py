@@ -69,6 +69,14 @@ class Checkpoint:
     path: Path
     trainer_state: dict[str, Any] | None = field(default=None, repr=False)
 
+    def special_ids(self) -> tuple[tuple[int, ...], int | None]:
+        """``(eos ids, start id)`` for generation: a converted model's (``train_config["generation"]``, written by
+        ``tformer convert``), else the tokenizer's. The start id is a seq2seq decoder's first input, or an LM's bos."""
+        gen = self.train_config.get("generation") or {}
+        eos = gen.get("eos") or (() if self.tokenizer.eos_id is None else (self.tokenizer.eos_id,))
+        start = gen.get("decoder_start" if self.kind == "seq2seq" else "bos")
+        return tuple(eos), self.tokenizer.bos_id if start is None else start
+
 
 def model_class(kind: str) -> type[nn.Module]:
     if kind == "lm":
