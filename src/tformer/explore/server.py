@@ -46,36 +46,23 @@ CSP = "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-
 
 REQUIRED = object()  # the default of a field that must be given
 # request fields: name -> (types accepted, default); "kind" "" is the model's first attention kind
+_SAMPLING = {
+    "temperature": ((int, float), 1.0),
+    "top_k": ((int, type(None)), None),
+    "top_p": ((int, float, type(None)), None),
+}
+_LAYER = {"layer": ((int,), REQUIRED), "kind": ((str,), "")}
 FIELDS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
-    "analyze": {
-        "prompt": ((str,), REQUIRED),
-        "temperature": ((int, float), 1.0),
-        "top_k": ((int, type(None)), None),
-        "top_p": ((int, float, type(None)), None),
-        "target": ((str,), ""),
-    },
+    "analyze": {"prompt": ((str,), REQUIRED), **_SAMPLING, "target": ((str,), "")},
     "attention": {
         "prompt": ((str,), REQUIRED),
-        "layer": ((int,), REQUIRED),
-        "kind": ((str,), ""),
+        **_LAYER,
         "scale_factor": ((int, float), 1.0),
         "mask": ((str,), "before"),
         "target": ((str,), ""),
     },
-    "sample": {
-        "prompt": ((str,), REQUIRED),
-        "seed": ((int,), 0),
-        "temperature": ((int, float), 1.0),
-        "top_k": ((int, type(None)), None),
-        "top_p": ((int, float, type(None)), None),
-        "target": ((str,), ""),
-    },
-    "positions": {
-        "prompt": ((str,), REQUIRED),
-        "layer": ((int,), REQUIRED),
-        "kind": ((str,), ""),
-        "target": ((str,), ""),
-    },
+    "sample": {"prompt": ((str,), REQUIRED), "seed": ((int,), 0), **_SAMPLING, "target": ((str,), "")},
+    "positions": {"prompt": ((str,), REQUIRED), **_LAYER, "target": ((str,), "")},
 }
 
 
