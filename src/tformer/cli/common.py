@@ -14,6 +14,28 @@ DTYPES = ("float32", "bfloat16", "float16")
 OTHER_COMMAND = {"lm": "sample", "seq2seq": "translate", "encoder": "embed"}
 
 
+def add_device_flags(p, *, quantize: bool = False) -> None:
+    """The flags of every command that runs a loaded model: ``--device``, ``--dtype`` and, where the command offers
+    it, ``--quantize`` (apply with :func:`apply_quantize`)."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    if quantize:
+        p.add_argument(
+            "--quantize",
+            choices=["int8"],
+            default=None,
+            help="int8: weight-only int8 with per-channel scales (tformer.quantize; lossy, so never the default)",
+        )
+
+
+def apply_quantize(model: Any, scheme: str | None) -> None:
+    """``--quantize``: quantize ``model`` in place when a scheme was asked for."""
+    if scheme:
+        from tformer.quantization import quantize
+
+        quantize(model, scheme)
+
+
 @dataclass
 class Loaded:
     """A model ready for a command: its tokenizer, the ids that end (``eos``, any of them) and start (``start``: the

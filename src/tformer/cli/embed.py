@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tformer.cli.common import DTYPES, report_errors, torch_dtype
+from tformer.cli.common import add_device_flags, report_errors, torch_dtype
 
 
 def add_cli(subparsers) -> None:
@@ -23,8 +23,7 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="a Hugging Face BERT directory with a tokenizer.json")
     p.add_argument("--batch-size", type=int, default=32, help="texts encoded together (default 32)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    add_device_flags(p)
     p.set_defaults(func=_run_embed)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tformer.cli.common import DTYPES, report_errors, torch_dtype
+from tformer.cli.common import add_device_flags, apply_quantize, report_errors, torch_dtype
 
 
 def add_cli(subparsers) -> None:
@@ -29,11 +29,7 @@ def add_cli(subparsers) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; another one is reachable by others)"
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
-    p.add_argument(
-        "--quantize", choices=["int8"], default=None, help="int8: weight-only int8 weights (tformer.quantize; lossy)"
-    )
+    add_device_flags(p, quantize=True)
     p.set_defaults(func=_run_explore)
 
 
@@ -46,10 +42,8 @@ def _run_explore(args: argparse.Namespace) -> int:
         from tformer.training.runtime import resolve_device
 
         explorer = open_model(args.checkpoint, device=resolve_device(args.device), dtype=torch_dtype(args.dtype))
+        apply_quantize(explorer.model, args.quantize)
         if args.quantize:
-            from tformer.quantization import quantize
-
-            quantize(explorer.model, args.quantize)
             explorer.name += f" ({args.quantize})"
         try:
             server = ExploreServer(explorer, args.host, args.port)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tformer.cli.common import DTYPES, load_model, report_errors
+from tformer.cli.common import add_device_flags, apply_quantize, load_model, report_errors
 from tformer.generation.sampling import check_sampling_args, row_seeds
 from tformer.generation.text import DEFAULT_NEW_TOKENS, sample_to
 
@@ -45,20 +45,13 @@ def add_cli(subparsers) -> None:
         metavar="STR",
         help="end when the generated text contains STR (not printed); repeatable",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    add_device_flags(p, quantize=True)
     p.add_argument(
         "--compile",
         choices=["auto", "on", "off"],
         default="auto",
         help="torch.compile the decode step over a static cache (exact). auto: on CUDA yes, on the CPU no (there the "
         "compile costs minutes; tformer.generation.static.auto_compile gives the measured rule)",
-    )
-    p.add_argument(
-        "--quantize",
-        choices=["int8"],
-        default=None,
-        help="int8: weight-only int8 with per-channel scales (tformer.quantize; lossy, so never the default)",
     )
     p.set_defaults(func=_run_sample)
 
@@ -68,10 +61,7 @@ def _run_sample(args: argparse.Namespace) -> int:
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
         row_seeds(args.seed, 1)
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
-        if args.quantize:
-            from tformer.quantization import quantize
-
-            quantize(loaded.model, args.quantize)
+        apply_quantize(loaded.model, args.quantize)
         from tformer.generation.static import LAST_TIMINGS, auto_compile
 
         device = next(loaded.model.parameters()).device

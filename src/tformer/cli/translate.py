@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 
-from tformer.cli.common import DTYPES, load_model, report_errors
+from tformer.cli.common import add_device_flags, load_model, report_errors
 from tformer.generation.text import translate_lines
 
 
@@ -44,8 +44,7 @@ def add_cli(subparsers) -> None:
     t.add_argument(
         "--batch-size", type=int, default=32, help="lines decoded together when stdin is not a terminal (default 32)"
     )
-    t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
-    t.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    add_device_flags(t)
     t.set_defaults(func=_run_translate)
 
 
