@@ -1,6 +1,8 @@
-"""The bfloat16 matrix-vector kernel (``tformer.kernels``): it builds, computes ``x W^T + b`` within the rounding
-bound of one bfloat16 rounding of a float32 sum (checked against float64), takes exactly the calls it is meant for,
-keeps autograd and ``torch.compile`` working, and falls back to ``F.linear`` with a warning when it cannot build."""
+"""tformer's CPU decode kernels (``tformer.kernels``): they build; the matrix-vector kernels compute ``x W^T + b``
+within the rounding bound of one rounding of a float32 sum (checked against float64) and the attention kernel
+errs against float64 no more than PyTorch's own attention at the same precision; each takes exactly the calls it is
+meant for, keeps autograd and ``torch.compile`` working, and everything falls back to PyTorch with a warning when
+the build fails."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from tformer import DecoderLM, TransformerConfig, kernels
+from tformer.attention import scaled_dot_product_attention
+from tformer.attention.sdpa import sdpa_attention
 from tformer.layers import Linear
 from tformer.quantization import Int8Linear
 
@@ -167,9 +171,105 @@ def test_compiled_graphs_call_the_kernel_without_breaks():
     with torch.no_grad():
         torch.compile(lm, backend=record, fullgraph=True)(ids)
         assert len(graphs) == 1 and any("tformer.gemv_bf16" in target for target in graphs[0])
+        assert any("tformer.decode_attention" in target for target in graphs[0])
         x, w, b = case(2, 40, 12)
         aot = torch.compile(kernels.linear, backend="aot_eager", fullgraph=True)  # traces the op's fake shapes
         assert torch.equal(aot(x, w, b), torch.ops.tformer.gemv_bf16(x, w, b))
+        q, k, v, mask = attention_case((1, 4, 2, 1, 12, 16, 16), torch.bfloat16)
+        attend = torch.compile(kernels.attention, backend="aot_eager", fullgraph=True)
+        assert torch.equal(attend(q, k, v, mask, False, None), kernels.attention(q, k, v, mask, False, None))
+
+
+# (B, H, Hkv, L, S, D, Dv): a SmolLM2 step (GQA 9/3), the demo model's, several query rows, odd sizes and tails
+ATTENTION_SHAPES = [
+    (1, 9, 3, 1, 320, 64, 64),
+    (2, 4, 4, 1, 384, 32, 32),
+    (1, 4, 2, 3, 17, 8, 8),
+    (3, 2, 1, 4, 5, 33, 20),
+    (1, 1, 1, 1, 1, 1, 1),
+    (1, 2, 2, 2, 40, 130, 144),
+]
+
+
+def attention_case(shape, dtype, seed=0):
+    B, H, Hkv, L, S, D, Dv = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, H, L, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, Dv, generator=g)
+    mask = torch.rand(B, 1, L, S, generator=g) < 0.7
+    mask[0, 0, 0] = False  # one row sees no key: zeros by the library's convention
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["mask", "mask+causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_attention_kernel_errs_no_more_than_pytorchs_attention_against_float64(shape, dtype, causal):
+    """Against float64 attention of the same (rounded) inputs. PyTorch's fused attention at the same precision is the
+    plain path: the kernel's largest error is at most 2x its own (float32 sums, one rounding at the end), plus 4
+    float32 ulps of the output's scale where both are that small (float32 inputs: a few roundings either way)."""
+    q, k, v, mask = attention_case(shape, dtype)
+    exact = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, causal, backend="reference")
+    assert kernels.uses_attention_kernel(q, k, v, mask)
+    out = kernels.attention(q, k, v, mask, causal, None)
+    assert out.dtype == dtype and out.shape == exact.shape and out.is_contiguous()
+    assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))  # the row that sees no key
+    with kernels.enabled(False):
+        plain = sdpa_attention(q, k, v, mask, causal)  # PyTorch's kernel, under the library's conventions
+    seen = exact.abs().amax()
+    error, plain_error = (out.double() - exact).abs().max(), (torch.nan_to_num(plain).double() - exact).abs().max()
+    assert error <= 2 * plain_error + 4 * U_F32 * seen
+
+
+def test_the_attention_kernels_softmax_is_within_float32_roundings_over_the_exponents_range():
+    """One-dimensional heads with ``q = 1``, ``scale = 1`` and ``V = I``: the output row is the softmax of the keys
+    themselves, so it checks the kernel's exponential. Scores spread over [-80, 0] (every binade of exp it uses); each
+    weight is one exp (a few ulps), one sum of S terms and one division: relative error <= (S + 8) u32."""
+    S = 1000
+    g = torch.Generator().manual_seed(3)
+    scores = torch.cat([torch.zeros(1), -80 * torch.rand(S - 1, generator=g)])
+    q, k = torch.ones(1, 1, 1, 1), scores.view(1, 1, S, 1)
+    v = torch.eye(S).view(1, 1, S, S)
+    probs = kernels.attention(q, k, v, None, False, 1.0).view(S).double()
+    exact = torch.softmax(scores.double(), dim=0)
+    assert ((probs - exact).abs() <= (S + 8) * U_F32 * exact).all()
+    far = kernels.attention(
+        q, torch.tensor([0.0, -200.0]).view(1, 1, 2, 1), torch.eye(2).view(1, 1, 2, 2), None, False, 1.0
+    )
+    assert far[0, 0, 0, 0] == 1.0 and 0 <= far[0, 0, 0, 1] <= 2e-38  # below float32's exp range: 0 or ~2^-126
+
+
+def test_attention_routes_only_gradient_free_cpu_calls_of_few_query_rows_with_boolean_masks_to_the_kernel():
+    q, k, v, mask = attention_case((1, 4, 2, kernels.MAX_ROWS, 12, 16, 16), torch.float32)
+    with torch.no_grad():
+        assert kernels.uses_attention_kernel(q, k, v, mask) and kernels.uses_attention_kernel(q, k, v, None)
+        assert kernels.uses_attention_kernel(q, k, v, mask[0, 0])  # broadcastable masks of fewer dimensions
+        assert torch.equal(sdpa_attention(q, k, v, mask), kernels.attention(q, k, v, mask, False, None))
+        assert torch.equal(sdpa_attention(q, k, v, mask[0, 0]), kernels.attention(q, k, v, mask, False, None))
+        longer = torch.cat([q, q[:, :, :1]], dim=2)
+        assert not kernels.uses_attention_kernel(longer, k, v, None)  # one query row more: PyTorch's kernel
+        assert not kernels.uses_attention_kernel(q, k, v, torch.zeros(mask.shape))  # additive masks: PyTorch's
+        assert not kernels.uses_attention_kernel(q.half(), k.half(), v.half(), mask)
+        assert not kernels.uses_attention_kernel(q, k, v, mask, dropout_p=0.1)
+        assert not kernels.uses_attention_kernel(q[0], k[0], v[0], mask[0])  # 3-d: PyTorch's
+        with kernels.enabled(False):
+            assert not kernels.uses_attention_kernel(q, k, v, mask)
+    assert not kernels.uses_attention_kernel(q.requires_grad_(), k, v, mask)  # training: autograd needs PyTorch's
+    with torch.no_grad():
+        assert kernels.uses_attention_kernel(q, k, v, mask)
+
+
+def test_the_attention_kernel_refuses_mismatched_arguments_by_name():
+    q, k, v, mask = attention_case((1, 4, 2, 1, 12, 16, 16), torch.float32)
+    op = torch.ops.tformer.decode_attention
+    with pytest.raises(RuntimeError, match="must divide"):
+        op(q[:, :3], k, v, mask, False, 0.25)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(q, k.bfloat16(), v, mask, False, 0.25)
+    with pytest.raises(RuntimeError, match="boolean mask"):
+        op(q, k, v, mask.float(), False, 0.25)
+    with pytest.raises(RuntimeError, match="head size"):
+        op(q, k[..., :8], v, mask, False, 0.25)
 
 
 CHILD = textwrap.dedent(
@@ -195,8 +295,19 @@ CHILD = textwrap.dedent(
         exact = (xd @ qd.T) * sd
         delta = 102 * 2.0**-24 * (xd.abs() @ qd.abs().T) * sd
         within_int8 = bool(((yq.double() - exact).abs() <= 2.0**-8 * (exact.abs() + delta) + delta).all())
+    attention_within = None
+    if ready:  # the attention kernel of the same build: float32, against float64, at most 2x PyTorch's error
+        from tformer.attention import scaled_dot_product_attention
+        q, k, v = (torch.randn(1, 4, 1, 40, generator=g), torch.randn(1, 2, 50, 40, generator=g),
+                   torch.randn(1, 2, 50, 40, generator=g))
+        mask = torch.rand(1, 1, 1, 50, generator=g) < 0.7
+        exact = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, backend="reference")
+        plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        error = (kernels.attention(q, k, v, mask, False, None).double() - exact).abs().max()
+        attention_within = bool(error <= 2 * (plain.double() - exact).abs().max() + 4 * 2.0**-24 * exact.abs().max())
     print(json.dumps({"ready": ready, "paths": kernels.paths(), "warnings": [str(c.message) for c in caught],
                       "within": bool(((y.double() - s).abs() <= bound).all()), "within_int8": within_int8,
+                      "attention_within": attention_within,
                       "is_f_linear": bool(torch.equal(y, F.linear(x, w)))}))
     """
 )
@@ -214,7 +325,8 @@ def child(**env: str) -> dict:
 @pytest.mark.skipif(platform.machine() not in {"x86_64", "AMD64"}, reason="-mno-avx512f is an x86 flag")
 def test_the_portable_path_builds_and_is_within_the_same_bound():
     result = child(TFORMER_KERNEL_CFLAGS="-mno-avx512f")  # on x86: no AVX-512, so no dpbf16
-    assert result["ready"] and result["within"] and result["within_int8"] and not result["warnings"]
+    assert result["ready"] and result["within"] and result["within_int8"] and result["attention_within"]
+    assert not result["warnings"]
     assert result["paths"] == {"bf16": "portable", "int8": "portable"}
 
 

@@ -1,7 +1,11 @@
 """PyTorch's fused attention kernels (``torch.nn.functional.scaled_dot_product_attention``) under tformer's rules.
 
-Two rules make PyTorch's function fit the library's convention and its CPU measurements:
+Three rules make PyTorch's function fit the library's convention and its CPU measurements:
 
+* decoding on the CPU: a few query rows (at most ``tformer.kernels.MAX_ROWS``), float32 or bfloat16, a boolean mask
+  or none, no dropout and no gradient (a decode step) run on tformer's attention kernel
+  (:func:`tformer.kernels.attention`): PyTorch's CPU flash kernel has a fixed cost of ~40 us a call, made for long
+  queries, that was most of a decode step's attention (BENCHMARKS.md "Attention kernel for CPU decoding").
 * ``attn_mask`` together with ``is_causal``: PyTorch refuses the pair; both are merged into one mask instead.
 * half precision on the CPU: PyTorch's CPU kernel is faster on half-precision inputs cast to float32 in the cases of
   :func:`cpu_attention_in_float32` (measured, BENCHMARKS.md "Half precision on the CPU"); the result is cast back,
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tformer import kernels
 from tformer.functional import merge_masks
 
 # Longest key sequence for which bfloat16 attention on the CPU runs faster in float32 (see below).
@@ -48,8 +53,10 @@ def sdpa_attention(
     dropout_p: float = 0.0,
 ) -> Tensor:
     """``softmax(Q K^T * scale + mask) V`` on PyTorch's fused kernels (flash, memory-efficient, cuDNN or the C++ CPU
-    flash kernel, as PyTorch picks), with the two rules of the module docstring. Grouped-query heads go through
+    flash kernel, as PyTorch picks), with the three rules of the module docstring. Grouped-query heads go through
     PyTorch's ``enable_gqa``."""
+    if kernels.uses_attention_kernel(query, key, value, attn_mask, dropout_p):
+        return kernels.attention(query, key, value, attn_mask, is_causal, scale)
     if cpu_attention_in_float32(query, key):
         with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 inputs back down
             out = sdpa_attention(query.float(), key.float(), value.float(), attn_mask, is_causal, scale, dropout_p)

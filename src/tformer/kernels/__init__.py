@@ -1,5 +1,6 @@
-"""Hand-written kernels where PyTorch's own leave the hardware idle: matrix-vector products for decoding on the CPU,
-in bfloat16 (:func:`linear`) and with weight-only int8 (:func:`int8_linear`, for :func:`tformer.quantize`).
+"""Hand-written kernels where PyTorch's own leave the hardware idle in a CPU decode step: matrix-vector products in
+bfloat16 (:func:`linear`) and with weight-only int8 (:func:`int8_linear`, for :func:`tformer.quantize`), and
+attention for a few query rows (:func:`attention`).
 
 Why. A decode step at batch 1 is a chain of matrix-vector products that reads every weight once per token, so its
 speed is bounded by memory bandwidth / weight bytes. On the CPU, torch 2.13's bfloat16 ``F.linear`` streams the
@@ -7,14 +8,21 @@ weights at about 40% of the machine's bandwidth at one row (float32's MKL reache
 the bytes, decoded *slower* than float32. ``gemv.cpp`` streams them at 85-100% (BENCHMARKS.md "Matrix-vector
 kernels"; ``benchmarks/gemv.py``). Its int8 form reads one byte per weight, widened in registers, at 50-65%: at half
 the bytes the fixed start-up of each call weighs twice as much (still 1.2-1.3x ``torch._weight_int8pack_mm``).
+Between the products, each layer attends one query row to its cache: PyTorch's CPU flash kernel spends ~40 us a
+call on set-up made for long queries (~90 us on bfloat16 through its float32 route), a sixth of a compiled SmolLM2
+step; ``attention.cpp`` does the same call in a few microseconds plus the arithmetic (BENCHMARKS.md "Attention kernel
+for CPU decoding"; ``benchmarks/decode_attention.py``).
 
 When. :func:`linear` runs the kernel for bfloat16 CPU inputs of at most :data:`MAX_ROWS` rows (``x`` flattened to
 ``(M, I)``) when no gradient is asked for; everything else (training, float32, prefill, CUDA) goes to ``F.linear``.
 It computes what ``F.linear`` computes up to the order of the float32 additions: the same products (a bfloat16
 product is exact in float32), float32 sums, one rounding to bfloat16 after the bias. :func:`int8_linear` takes the
 same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``, float32 inside, one rounding.
+:func:`attention` takes the attention calls of at most :data:`MAX_ROWS` query rows, float32 or bfloat16, with a
+boolean mask or none and no gradient (:func:`uses_attention_kernel`; ``tformer.attention``'s ``sdpa`` backend asks):
+float32 scores, softmax and weighted sum, one rounding.
 
-Build. The C++ file is compiled for this CPU (``-march=native``) on first use, by ``torch.utils.cpp_extension``
+Build. The C++ files are compiled for this CPU (``-march=native``) on first use, by ``torch.utils.cpp_extension``
 (about 15 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``) under a name that hashes the source, the flags, torch's version and the
 CPU's feature flags. When it cannot be built, one warning says why and :func:`linear` uses ``F.linear``: correct,
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp"))
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
 _ON = [os.environ.get("TFORMER_KERNELS", "1") != "0"]
 
@@ -60,7 +68,7 @@ def _cflags() -> list[str]:
 
 
 def build_name(cflags: list[str]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     for part in (*cflags, torch.__version__, _cpu_flags()):
         digest.update(b"\0" + part.encode())
     return f"tformer_kernels_{digest.hexdigest()[:16]}"
@@ -78,10 +86,10 @@ def ready() -> bool:
         from torch.utils import cpp_extension
 
         if sys.stderr.isatty():
-            print("tformer: building the bfloat16 decode kernel for this CPU (once, about 15 s)", file=sys.stderr)
+            print("tformer: building the decode kernels for this CPU (once, about 25 s)", file=sys.stderr)
         cpp_extension.load(
             name=build_name(cflags),
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -89,13 +97,14 @@ def ready() -> bool:
         )
         torch.library.register_fake("tformer::gemv_bf16")(_gemv_shape)
         torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
+        torch.library.register_fake("tformer::decode_attention")(_attention_shape)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         message = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]  # the compiler's own
         _STATE.update(ready=False, error=message)
         warnings.warn(
-            f"tformer: the bfloat16 decode kernel did not build ({message}); bfloat16 layers use F.linear "
-            "(correct, slower). TFORMER_KERNELS=0 skips the attempt.",
+            f"tformer: the decode kernels did not build ({message}); layers use F.linear and attention PyTorch's "
+            "kernels (correct, slower). TFORMER_KERNELS=0 skips the attempt.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -110,6 +119,10 @@ def _gemv_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 def _int8_shape(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])  # (M, O)
+
+
+def _attention_shape(query: Tensor, key: Tensor, value: Tensor, mask, is_causal: bool, scale: float) -> Tensor:
+    return query.new_empty(*query.shape[:-1], value.shape[-1])  # (B, H, L, Dv), contiguous
 
 
 def build_error() -> str | None:
@@ -171,6 +184,41 @@ def int8_linear(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None = N
     return y.view(*x.shape[:-1], codes.shape[0])
 
 
+def uses_attention_kernel(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float = 0.0
+) -> bool:
+    """Whether :func:`attention` may run on these arguments: turned on and built, CPU, 4-d float32 or bfloat16
+    tensors of one dtype, at most :data:`MAX_ROWS` query rows, a boolean mask (or none), no dropout and no gradient
+    asked for."""
+    if not _ON[0] or dropout_p > 0.0 or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return False
+    if query.dtype not in (torch.float32, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    if query.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
+        return False
+    if query.shape[-2] > MAX_ROWS or query.shape[-1] > 1024:
+        return False
+    if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.device.type != "cpu"):
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    return ready()
+
+
+def attention(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None
+) -> Tensor:
+    """``softmax(Q K^T * scale + mask) V`` for query ``(B, H, L, D)``, key ``(B, Hkv, S, D)``, value
+    ``(B, Hkv, S, Dv)`` and a boolean mask broadcastable to ``(B, H, L, S)`` -> ``(B, H, L, Dv)``, on the decode
+    kernel (the caller checks :func:`uses_attention_kernel`). ``is_causal``: query ``i`` sees keys ``j <= i``
+    (top-left aligned, as :func:`tformer.attention.scaled_dot_product_attention`); a row that sees no key is zeros.
+    Float32 inside, one rounding to the inputs' dtype."""
+    if attn_mask is not None and attn_mask.dim() < 4:
+        attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.tformer.decode_attention(query, key, value, attn_mask, is_causal, scale)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
     when :func:`uses_kernel` says so."""
@@ -182,12 +230,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 __all__ = [
     "MAX_ROWS",
+    "attention",
     "build_error",
     "enabled",
     "int8_linear",
     "linear",
     "paths",
     "ready",
+    "uses_attention_kernel",
     "uses_int8_kernel",
     "uses_kernel",
 ]

@@ -1,0 +1,77 @@
+"""tformer's attention kernel for decoding (tformer.kernels.attention) against PyTorch's CPU attention, per call.
+
+A decode step asks attention for one query row per head against the whole key/value cache, once per layer. The
+benchmark times one such call, best of ``--repeats`` (each the mean of many calls), at cache lengths S, for
+
+* SmolLM2-135M's heads (9 query heads, 3 key/value heads, head size 64) in bfloat16 and float32;
+* the demo model's (4 heads of 32) in float32;
+
+through tformer's ``sdpa`` backend with the kernel on and off (off: PyTorch's fused CPU kernel, bfloat16 cast to
+float32 up to 256 keys by the rule of ``tformer.attention.sdpa``), and PyTorch's ``F.scaled_dot_product_attention``
+on the inputs as they are. A boolean mask hides a tenth of the keys (a static cache's unwritten columns).
+
+Run:  python benchmarks/decode_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from _common import cpu_model
+
+from tformer import kernels
+from tformer.attention.sdpa import sdpa_attention
+
+HEADS = {"SmolLM2-135M": (9, 3, 64), "demo": (4, 4, 32)}  # query heads, key/value heads, head size
+
+
+def per_call(fn, repeats: int) -> float:
+    """Seconds per call: the best of ``repeats`` means over enough calls to last ~20 ms."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    calls = max(10, int(0.02 / max(time.perf_counter() - start, 1e-7)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--keys", type=int, nargs="+", default=[64, 320, 1024, 4096])
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    if not kernels.ready():
+        raise SystemExit(f"the kernel did not build: {kernels.build_error()}")
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| heads | dtype | keys | kernel us | PyTorch via tformer us | F.sdpa as is us | speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    torch.manual_seed(0)
+    cases = [("SmolLM2-135M", torch.bfloat16), ("SmolLM2-135M", torch.float32), ("demo", torch.float32)]
+    for name, dtype in cases:
+        H, Hkv, D = HEADS[name]
+        for S in args.keys:
+            q = torch.randn(1, H, 1, D).to(dtype)
+            k, v = torch.randn(1, Hkv, S, D).to(dtype), torch.randn(1, Hkv, S, D).to(dtype)
+            mask = (torch.arange(S) < S - S // 10).view(1, 1, 1, S)
+            ours = per_call(lambda: sdpa_attention(q, k, v, mask), args.repeats)
+            with kernels.enabled(False):
+                theirs = per_call(lambda: sdpa_attention(q, k, v, mask), args.repeats)
+            raw = per_call(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), args.repeats)
+            print(
+                f"| {name} {H}/{Hkv}x{D} | {str(dtype)[6:]} | {S} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
+                f"{raw * 1e6:.1f} | **{theirs / ours:.2f}x** |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

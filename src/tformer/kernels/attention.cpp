@@ -1,0 +1,303 @@
+// tformer's attention kernel for decoding on the CPU: softmax(Q K^T * scale + mask) V for a few query rows.
+//
+// A decode step asks attention for one query row per head against the whole cache. That is little arithmetic
+// (H * S * (D + Dv) multiply-adds: ~0.4M for SmolLM2 at 320 keys), but PyTorch's CPU flash kernel spends ~40 us a
+// call on set-up and blocking made for long queries, and on bfloat16 inputs it is slower still; 30 layers of it
+// were a sixth of a compiled SmolLM2 token. Here one task is one (batch, head, query row):
+//   1. s_j = (q . k_j) * scale for every key j the mask lets it see (float32 sums of exact float32 products);
+//   2. p_j = exp(s_j - max_j s_j), the max-subtracted softmax numerators (masked keys: exactly 0);
+//   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype.
+// A row that may see no key returns zeros (the library's convention). Grouped-query heads read key/value head
+// h / (H / Hkv). Tasks run on torch's OpenMP pool (at::parallel_for), inline when the problem is small.
+//
+// The loops are plain C++ that the compiler vectorizes (-O3 -march=native, `omp simd` reductions); exp is a
+// vectorizable polynomial (range reduction by ln 2, degree-6 polynomial on [-ln2/2, ln2/2], relative error
+// < 2e-7, i.e. about one float32 ulp), so step 2 runs 16 lanes at a time instead of calling expf per key.
+//
+// Built with gemv.cpp by tformer/kernels/__init__.py; the op is tformer::decode_attention.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (softmax numerators after the max is subtracted): x = n ln2 + r, |r| <= ln2/2, e^x = 2^n e^r.
+// Written without branches so a loop of it vectorizes; below -87 the result is 0 or the smallest normals (it is
+// never used there except as a weight that the sum makes negligible).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);  // round(x / ln 2)
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2 in two parts: exact first product
+  // e^r = 1 + r + r^2 P(r), P of degree 5 fitted to (e^r - 1 - r) / r^2 on [-ln2/2, ln2/2] (near 1/2, 1/6, 1/24, ...)
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float32 (n >= -126 here)
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return er * two_n;
+}
+
+// Strides (in elements) of a 4-d tensor (B, heads, rows, cols) whose last dimension is contiguous.
+struct View4 {
+  const void* data;
+  int64_t s0, s1, s2;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TFORMER_AVX512_ATTENTION 1
+#include <immintrin.h>
+
+// 16 values (a masked tail of `count` < 16 reads zeros past it) as float32 lanes.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bfloat16 = top half of float32
+}
+inline __mmask16 lanes(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1u); }
+
+// exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(er, n);
+}
+#endif
+
+#ifdef TFORMER_AVX512_ATTENTION
+constexpr int kBlock = 8;  // value columns summed at once: 8 vectors of 16 float32 accumulators
+
+// acc[0 .. width) = sum_j p[j] v[j, 0 .. width) for NV = ceil(width / 16) vectors: the sums stay in registers (a
+// masked store read back by the next key's load cannot be forwarded, and stalls).
+template <int NV, typename T>
+void weighted_sum(const float* p, const T* v, int64_t row_stride, int64_t keys, int64_t width, float* acc) {
+  __m512 sum[NV];
+  __mmask16 m[NV];
+  for (int c = 0; c < NV; ++c) {
+    sum[c] = _mm512_setzero_ps();
+    m[c] = lanes(width - 16 * c);
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    if (p[j] == 0.0f) continue;
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const T* vj = v + j * row_stride;
+    for (int c = 0; c < NV; ++c) sum[c] = _mm512_fmadd_ps(pj, load16(vj + 16 * c, m[c]), sum[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc + 16 * c, m[c], sum[c]);
+}
+
+// q . k over D values, float32 sums of exact products: bfloat16 pairs by dpbf16 where the CPU has it (no
+// conversions), else both widened to float32 (qf is q in float32).
+inline float dot_avx512(const float* q, const float* qf, const float* k, int64_t D) {
+  (void)q;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = lanes(D - d);
+    sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + d), _mm512_maskz_loadu_ps(m, k + d), sum);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+inline float dot_avx512(const bf16* q, const float* qf, const bf16* k, int64_t D) {
+#ifdef __AVX512BF16__
+  (void)qf;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (D - d)) - 1u);
+    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_maskz_loadu_epi16(m, q + d), (__m512bh)_mm512_maskz_loadu_epi16(m, k + d));
+  }
+#else
+  (void)q;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = lanes(D - d);
+    sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + d), load16(k + d, m), sum);
+  }
+#endif
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
+
+template <typename T>
+void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, int64_t mask_stride, int64_t keys,
+                int64_t D, int64_t Dv, float scale, float* scores, float* acc, T* out) {
+  const T* k0 = static_cast<const T*>(k.data);
+  const T* v0 = static_cast<const T*>(v.data);
+  float qf[1024];  // D <= 1024 (checked by the op)
+  for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  float best = kMasked;
+  for (int64_t j = 0; j < keys; ++j) {  // 1. scores
+    if (mask != nullptr && !mask[j * mask_stride]) {
+      scores[j] = kMasked;
+      continue;
+    }
+    const T* kj = k0 + j * k.s2;
+#ifdef TFORMER_AVX512_ATTENTION
+    const float dot = dot_avx512(q, qf, kj, D);
+#else
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_float(kj[d]);
+#endif
+    scores[j] = dot * scale;
+    best = std::max(best, scores[j]);
+  }
+  if (best == kMasked) {  // no visible key: zeros
+    for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(0.0f);
+    return;
+  }
+  float total = 0.0f;  // 2. numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select)
+  int64_t j = 0;
+#ifdef TFORMER_AVX512_ATTENTION
+  __m512 totals = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(best), masked = _mm512_set1_ps(kMasked);
+  for (; j + 16 <= keys; j += 16) {
+    const __m512 s = _mm512_loadu_ps(scores + j);
+    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, masked, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, top)));
+    _mm512_storeu_ps(scores + j, p);
+    totals = _mm512_add_ps(totals, p);
+  }
+  total = _mm512_reduce_add_ps(totals);
+#endif
+  for (; j < keys; ++j) {
+    const float p = scores[j] == kMasked ? 0.0f : exp_nonpositive(scores[j] - best);
+    scores[j] = p;
+    total += p;
+  }
+  // 3. the weighted sum of the values, float32 accumulators in registers
+#ifdef TFORMER_AVX512_ATTENTION
+  for (int64_t d0 = 0; d0 < Dv; d0 += 16 * kBlock) {  // kBlock vectors of 16 lanes at a time
+    const int64_t width = std::min<int64_t>(Dv - d0, 16 * kBlock);
+    switch ((width + 15) / 16) {
+      case 1: weighted_sum<1>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 2: weighted_sum<2>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 3: weighted_sum<3>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 4: weighted_sum<4>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 5: weighted_sum<5>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 6: weighted_sum<6>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 7: weighted_sum<7>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      default: weighted_sum<8>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+    }
+  }
+#else
+  for (int64_t d = 0; d < Dv; ++d) acc[d] = 0.0f;
+  for (j = 0; j < keys; ++j) {
+    const float p = scores[j];
+    if (p == 0.0f) continue;
+    const T* vj = v0 + j * v.s2;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) acc[d] += p * to_float(vj[d]);
+  }
+#endif
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, bool is_causal,
+         float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
+  const int64_t group = H / Hkv;
+  const T* qp = q.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const bool* mp = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  const int64_t ms0 = mp ? mask.stride(0) : 0, ms1 = mp ? mask.stride(1) : 0, ms2 = mp ? mask.stride(2) : 0;
+  const int64_t ms3 = mp ? mask.stride(3) : 0;
+  const int64_t tasks = B * H * L;
+  const int64_t work = std::max<int64_t>(1, S * (D + Dv));
+  const int64_t grain = std::max<int64_t>(1, 32768 / work);  // ~32k multiply-adds a thread at least: small runs inline
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(S), acc(Dv);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t l = t % L, h = (t / L) % H, b = t / (L * H), hk = h / group;
+      const int64_t keys = is_causal ? std::min<int64_t>(S, l + 1) : S;  // top-left aligned: key j <= row l
+      const View4 kv{static_cast<const T*>(k.const_data_ptr()) + b * k.stride(0) + hk * k.stride(1), 0, 0,
+                     k.stride(2)};
+      const View4 vv{static_cast<const T*>(v.const_data_ptr()) + b * v.stride(0) + hk * v.stride(1), 0, 0,
+                     v.stride(2)};
+      const bool* mrow = mp ? mp + b * ms0 + h * ms1 + l * ms2 : nullptr;
+      const T* qrow = qp + b * q.stride(0) + h * q.stride(1) + l * q.stride(2);
+      T* orow = op + ((b * H + h) * L + l) * Dv;
+      attend_one<T>(qrow, kv, vv, mrow, ms3, keys, D, Dv, scale, scores.data(), acc.data(), orow);
+    }
+  });
+}
+
+// query (B, H, L, D), key (B, Hkv, S, D), value (B, Hkv, S, Dv), mask: boolean, broadcastable to (B, H, L, S), or
+// none -> (B, H, L, Dv), contiguous, in the query's dtype (float32 or bfloat16, the same for all three).
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& mask, bool is_causal, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "decode_attention: need 4-d query, key and value (B, H, L, D); got ", query.sizes(), ", ", key.sizes(),
+              ", ", value.sizes());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && key.scalar_type() == dtype &&
+                  value.scalar_type() == dtype,
+              "decode_attention: need float32 or bfloat16 query, key and value of one dtype; got ", dtype, ", ",
+              key.scalar_type(), ", ", value.scalar_type());
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "decode_attention: need CPU tensors");
+  const int64_t B = query.size(0), H = query.size(1), L = query.size(2), D = query.size(3);
+  TORCH_CHECK(key.size(0) == B && value.size(0) == B && key.size(1) == value.size(1) && key.size(2) == value.size(2),
+              "decode_attention: key ", key.sizes(), " and value ", value.sizes(), " do not fit query ", query.sizes());
+  TORCH_CHECK(key.size(3) == D, "decode_attention: key has head size ", key.size(3), ", query ", D);
+  TORCH_CHECK(key.size(1) > 0 && H % key.size(1) == 0, "decode_attention: ", key.size(1),
+              " key/value heads must divide ", H, " query heads");
+  TORCH_CHECK(D <= 1024, "decode_attention: head size ", D, " > 1024");
+  const auto last_contiguous = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = last_contiguous(query), k = last_contiguous(key), v = last_contiguous(value);
+  at::Tensor m;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool, "decode_attention: need a boolean mask; got ", mask->scalar_type());
+    TORCH_CHECK(mask->dim() <= 4, "decode_attention: mask of ", mask->dim(), " dimensions");
+    m = mask->expand({B, H, L, key.size(2)});  // broadcast dimensions get stride 0: nothing is copied
+  }
+  at::Tensor out = at::empty({B, H, L, value.size(3)}, query.options());
+  if (out.numel() == 0) return out;
+  if (dtype == at::kFloat) {
+    run<float>(q, k, v, m, is_causal, static_cast<float>(scale), out);
+  } else {
+    run<bf16>(q, k, v, m, is_causal, static_cast<float>(scale), out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tformer, m) {
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, bool is_causal, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tformer, CPU, m) { m.impl("decode_attention", &decode_attention); }
