@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ HEADS = {"SmolLM2-135M": (9, 3, 64), "demo": (4, 4, 32)}  # query heads, key/val
 
 
 def per_call(fn, repeats: int) -> float:
-    """Seconds per call: the best of ``repeats`` means over enough calls to last ~20 ms."""
+    """Seconds per call of ``fn()``: the best of ``repeats`` means over enough calls to last ~20 ms."""
     fn()
     start = time.perf_counter()
     fn()
@@ -62,10 +63,11 @@ def main() -> None:
             q = torch.randn(1, H, 1, D).to(dtype)
             k, v = torch.randn(1, Hkv, S, D).to(dtype), torch.randn(1, Hkv, S, D).to(dtype)
             mask = (torch.arange(S) < S - S // 10).view(1, 1, 1, S)
-            ours = per_call(lambda: sdpa_attention(q, k, v, mask), args.repeats)
+            ours = per_call(partial(sdpa_attention, q, k, v, mask), args.repeats)
             with kernels.enabled(False):
-                theirs = per_call(lambda: sdpa_attention(q, k, v, mask), args.repeats)
-            raw = per_call(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), args.repeats)
+                theirs = per_call(partial(sdpa_attention, q, k, v, mask), args.repeats)
+            pytorch = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, enable_gqa=True)
+            raw = per_call(pytorch, args.repeats)
             print(
                 f"| {name} {H}/{Hkv}x{D} | {str(dtype)[6:]} | {S} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
                 f"{raw * 1e6:.1f} | **{theirs / ours:.2f}x** |",

@@ -53,6 +53,18 @@ def test_minilm_embeddings_equal_the_reference(minilm, minilm_dir):
     assert (ours.double() - oracle).abs().max() <= ROUNDING * own_error
 
 
+def test_minilm_embeds_a_batch_without_padding_unmasked_within_the_same_bound(minilm, minilm_dir):
+    """A batch whose texts have one length needs no mask (``embed`` passes none: PyTorch's unmasked kernels); it
+    stays within the same float32 bound of the float64 oracle."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    reference = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    same = ["A man is eating food.", "A man is eating bread.", "A dog is eating food."]
+    assert len({len(tokenizer.encode(text)) for text in same}) == 1
+    oracle = hf_sentence_embeddings(copy.deepcopy(reference).double(), tokenizer, same)
+    own_error = (hf_sentence_embeddings(reference, tokenizer, same) - oracle).abs().max()
+    assert (embed(minilm, same).double() - oracle).abs().max() <= ROUNDING * own_error
+
+
 def test_minilm_truncates_at_its_256_tokens(minilm):
     long = "word " * 400
     assert torch.allclose(embed(minilm, [long]), embed(minilm, [" ".join(["word"] * 254)]), atol=1e-6)

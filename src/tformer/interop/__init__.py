@@ -218,7 +218,8 @@ def embed(pretrained: Pretrained, texts: list[str], *, batch_size: int = 32) -> 
         encoded = [_truncate(ids, limit) for ids in tokenizer.encode_batch(texts[start : start + batch_size])]
         ids, mask = pad_right(encoded, tokenizer.pad_id or 0)
         ids, mask = ids.to(device), mask.to(device)
-        hidden = model(ids, mask)  # (B, T, C)
+        padded = len({len(row) for row in encoded}) > 1  # known from the lists: no read from the device
+        hidden = model(ids, mask if padded else None)  # (B, T, C); no padding: no mask (the unmasked kernels)
         weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
         mean = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)  # (B, C)
         out.append(F.normalize(mean.float(), p=2, dim=-1))

@@ -118,17 +118,17 @@ void weighted_sum(const float* p, const T* v, int64_t row_stride, int64_t keys, 
 
 // q . k over D values, float32 sums of exact products: bfloat16 pairs by dpbf16 where the CPU has it (no
 // conversions), else both widened to float32 (qf is q in float32).
-inline float dot_avx512(const float* q, const float* qf, const float* k, int64_t D) {
+inline __m512 partial_dot(const float* q, const float* qf, const float* k, int64_t D) {
   (void)q;
   __m512 sum = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
     const __mmask16 m = lanes(D - d);
     sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + d), _mm512_maskz_loadu_ps(m, k + d), sum);
   }
-  return _mm512_reduce_add_ps(sum);
+  return sum;
 }
 
-inline float dot_avx512(const bf16* q, const float* qf, const bf16* k, int64_t D) {
+inline __m512 partial_dot(const bf16* q, const float* qf, const bf16* k, int64_t D) {
 #ifdef __AVX512BF16__
   (void)qf;
   __m512 sum = _mm512_setzero_ps();
@@ -144,7 +144,17 @@ inline float dot_avx512(const bf16* q, const float* qf, const bf16* k, int64_t D
     sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + d), load16(k + d, m), sum);
   }
 #endif
-  return _mm512_reduce_add_ps(sum);
+  return sum;
+}
+
+// The four horizontal sums of a, b, c, d as one vector (a reduction tree shared by the four: a third of the shuffles
+// of four separate reductions).
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d / lane
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 #endif
 
@@ -157,14 +167,33 @@ void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, in
   for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
   float best = kMasked;
-  for (int64_t j = 0; j < keys; ++j) {  // 1. scores
+  int64_t first = 0;  // 1. scores
+#ifdef TFORMER_AVX512_ATTENTION
+  for (; first + 4 <= keys; first += 4) {  // four keys at a time, their sums reduced together
+    bool seen[4];
+    for (int i = 0; i < 4; ++i) seen[i] = mask == nullptr || mask[(first + i) * mask_stride];
+    if (!(seen[0] || seen[1] || seen[2] || seen[3])) {
+      for (int i = 0; i < 4; ++i) scores[first + i] = kMasked;
+      continue;
+    }
+    const T* kj = k0 + first * k.s2;
+    float dots[4];
+    _mm_storeu_ps(dots, reduce4(partial_dot(q, qf, kj, D), partial_dot(q, qf, kj + k.s2, D),
+                                partial_dot(q, qf, kj + 2 * k.s2, D), partial_dot(q, qf, kj + 3 * k.s2, D)));
+    for (int i = 0; i < 4; ++i) {
+      scores[first + i] = seen[i] ? dots[i] * scale : kMasked;
+      if (seen[i]) best = std::max(best, scores[first + i]);
+    }
+  }
+#endif
+  for (int64_t j = first; j < keys; ++j) {
     if (mask != nullptr && !mask[j * mask_stride]) {
       scores[j] = kMasked;
       continue;
     }
     const T* kj = k0 + j * k.s2;
 #ifdef TFORMER_AVX512_ATTENTION
-    const float dot = dot_avx512(q, qf, kj, D);
+    const float dot = _mm512_reduce_add_ps(partial_dot(q, qf, kj, D));
 #else
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
