@@ -2,8 +2,9 @@
 
 * The machine's read bandwidth (a ``sum`` over 1 GiB) and, per setting, the bound ``bandwidth / bytes per token``.
 * SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16
-  with ``F.linear`` (``tformer.kernels`` off) and with the matrix-vector kernels, compiled bfloat16, eager and
-  compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and bfloat16. The decode rate
+  on PyTorch's ``F.linear`` and attention (``tformer.kernels`` off) and on tformer's decode kernels, compiled
+  bfloat16, eager and compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and bfloat16.
+  The decode rate
   excludes prefill: (time for N tokens - time for 1) / (N - 1), best of ``--repeats``. Compiled runs are timed
   after a first, compiling call (its wall time is reported: the compile cost).
 * The demo-size model (0.84M parameters, random weights): compiled against eager per-token time, the settings'
@@ -88,7 +89,7 @@ def main() -> None:
         int8 = quantize(copy.deepcopy(bf16))
         rows = [
             ("tformer eager float32", f32, False),
-            ("tformer eager bfloat16, F.linear (kernels off)", bf16, False),
+            ("tformer eager bfloat16, PyTorch's F.linear and attention (kernels off)", bf16, False),
             ("tformer eager bfloat16", bf16, False),
             ("tformer compiled bfloat16", bf16, True),
             ("tformer eager int8 (bfloat16 activations)", int8, False),
