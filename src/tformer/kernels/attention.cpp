@@ -10,9 +10,10 @@
 // A row that may see no key returns zeros (the library's convention). Grouped-query heads read key/value head
 // h / (H / Hkv). Tasks run on torch's OpenMP pool (at::parallel_for), inline when the problem is small.
 //
-// The loops are plain C++ that the compiler vectorizes (-O3 -march=native, `omp simd` reductions); exp is a
-// vectorizable polynomial (range reduction by ln 2, degree-6 polynomial on [-ln2/2, ln2/2], relative error
-// < 2e-7, i.e. about one float32 ulp), so step 2 runs 16 lanes at a time instead of calling expf per key.
+// On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
+// keys' sums reduced together); elsewhere plain C++ that the compiler vectorizes (`omp simd` reductions). exp is a
+// polynomial (range reduction by ln 2, degree 6 on [-ln2/2, ln2/2]; relative error at most 8.4e-8 over [-87, 0],
+// measured against double's exp: 1.4 units of float32 roundoff), so step 2 runs 16 lanes at a time.
 //
 // Built with gemv.cpp by tformer/kernels/__init__.py; the op is tformer::decode_attention.
 
