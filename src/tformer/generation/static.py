@@ -11,7 +11,8 @@ the same bucket reuse it.
 
 On CUDA the step runs with ``mode="reduce-overhead"`` (CUDA graphs: one launch per step); on the CPU with the default
 mode (inductor's C++ kernels, fused element-wise work) without inductor's per-call checks of its inputs' sizes and
-strides (``size_asserts``: ~300 Python calls a SmolLM2 step, 2-3% of it; the shapes are dynamo's guards already).
+strides (``size_asserts``: ~300 Python calls a SmolLM2 step, 2-3% of it): :class:`StaticLM` passes the same
+tensors at every step, and dynamo's guards checked them at the first.
 
 Shapes: B, P, S, V (the package legend, :mod:`tformer`).
 """
@@ -59,12 +60,12 @@ def auto_compile(device: torch.device | str) -> bool:
     """The rule of ``--compile auto`` (exact either way: a compiled step computes the same function).
 
     On CUDA: compile (CUDA graphs make a decode step one launch; the compile takes seconds). On the CPU: do not.
-    Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding"): compiling SmolLM2-135M's
-    decode took 148 s in bfloat16 for 19.5 ms/token saved (45.5 -> 26.0, on tformer's matrix-vector kernel), 112 s
-    in int8 for 18.8 ms/token (36.9 -> 18.1): it pays off after 6,000-7,600 tokens, more than a sampling command
-    makes. ``--compile on`` compiles on the CPU when asked. The dtype stays as saved: bfloat16 is not exact (on that
-    CPU it now decodes faster than float32, 22.0 against 16.5 tok/s, but it is a different function), and int8 is
-    lossy: both only when asked.
+    Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding", the rerun with the attention
+    kernel): compiling SmolLM2-135M's decode took ~150 s from cold in bfloat16 for 14.9 ms/token saved (36.0 ->
+    21.1, eager on tformer's kernels against compiled), ~110 s in int8 for 18.2 ms/token (31.1 -> 12.9): it pays off
+    after 6,000-10,000 tokens, more than a sampling command makes. ``--compile on`` compiles on the CPU when asked.
+    The dtype stays as saved: bfloat16 is not exact (on that CPU it decodes faster than float32, 27.8 against 19.3
+    tok/s, but it is a different function), and int8 is lossy: both only when asked.
     """
     return torch.device(device).type == "cuda"
 
