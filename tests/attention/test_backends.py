@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer import attention
+from tformer import attention, kernels
 from tformer import functional as tf
 from tformer.attention import scaled_dot_product_attention
 from tformer.attention.sdpa import CPU_BF16_FLOAT32_MAX_KEYS
@@ -134,9 +134,10 @@ def test_cpu_bfloat16_attention_float32_path_is_at_least_as_accurate():
 
 
 def test_cpu_long_bfloat16_attention_keeps_the_native_kernel():
-    """Above CPU_BF16_FLOAT32_MAX_KEYS keys PyTorch's bfloat16 kernel is the faster one, and it is used as is."""
-    S = CPU_BF16_FLOAT32_MAX_KEYS + 1
-    q, k, v = (_rand(1, 2, n, 16, seed=s, dtype=torch.float32).bfloat16() for s, n in ((1, 4), (2, S), (3, S)))
+    """Above CPU_BF16_FLOAT32_MAX_KEYS keys PyTorch's bfloat16 kernel is the faster one, and it is used as is (for
+    more query rows than a decode step's: those go to tformer's kernel, ``tests/core/test_kernels.py``)."""
+    S, L = CPU_BF16_FLOAT32_MAX_KEYS + 1, kernels.MAX_ROWS + 4
+    q, k, v = (_rand(1, 2, n, 16, seed=s, dtype=torch.float32).bfloat16() for s, n in ((1, L), (2, S), (3, S)))
     out = scaled_dot_product_attention(q, k, v, backend="sdpa")
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 

@@ -259,6 +259,25 @@ def test_attention_routes_only_gradient_free_cpu_calls_of_few_query_rows_with_bo
         assert kernels.uses_attention_kernel(q, k, v, mask)
 
 
+def test_the_attention_kernel_propagates_nan_like_pytorchs():
+    """A NaN in the query or a visible key makes the row NaN (a model with a NaN weight must not decode to
+    numbers: the CLI reports it); a NaN value at a masked key is never read."""
+    q, k, v, mask = attention_case((1, 2, 1, 1, 6, 8, 8), torch.float32)
+    mask = torch.ones_like(mask)
+    for bad in (q, k):
+        spoiled = bad.clone()
+        spoiled.view(-1)[0] = float("nan")
+        args = (spoiled, k, v) if bad is q else (q, spoiled, v)
+        out = kernels.attention(*args, mask, False, None)
+        with kernels.enabled(False):
+            plain = sdpa_attention(*args, mask)
+        assert torch.equal(out.isnan(), plain.isnan()) and out.isnan().any()
+    v = v.clone()
+    v[0, 0, 5] = float("nan")
+    mask[..., 5] = False
+    assert not kernels.attention(q, k, v, mask, False, None).isnan().any()
+
+
 def test_the_attention_kernel_refuses_mismatched_arguments_by_name():
     q, k, v, mask = attention_case((1, 4, 2, 1, 12, 16, 16), torch.float32)
     op = torch.ops.tformer.decode_attention

@@ -29,7 +29,7 @@ CPU's feature flags. When it cannot be built, one warning says why and :func:`li
 slower. ``TFORMER_KERNELS=0`` turns the kernel off (nothing is built); :func:`enabled` does so in code (the
 benchmarks' A/B runs).
 
-Shapes: M, I, O (the package legend, :mod:`tformer`).
+Shapes: M, I, O; B, H, Hkv, L, S, D, Dv (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations

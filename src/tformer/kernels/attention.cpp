@@ -203,6 +203,12 @@ void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, in
     scores[j] = dot * scale;
     best = std::max(best, scores[j]);
   }
+  bool nan = false;  // a NaN score (NaN or infinite inputs) makes the row NaN, as a softmax over it would be
+  for (int64_t j = 0; j < keys; ++j) nan |= std::isnan(scores[j]);
+  if (nan) {
+    for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
   if (best == kMasked) {  // no visible key: zeros
     for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(0.0f);
     return;
