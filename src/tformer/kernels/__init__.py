@@ -23,7 +23,7 @@ boolean mask or none and no gradient (:func:`uses_attention_kernel`; ``tformer.a
 float32 scores, softmax and weighted sum, one rounding.
 
 Build. The C++ files are compiled for this CPU (``-march=native``) on first use, by ``torch.utils.cpp_extension``
-(about 15 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
+(about 20 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``) under a name that hashes the source, the flags, torch's version and the
 CPU's feature flags. When it cannot be built, one warning says why and :func:`linear` uses ``F.linear``: correct,
 slower. ``TFORMER_KERNELS=0`` turns the kernel off (nothing is built); :func:`enabled` does so in code (the
@@ -86,7 +86,7 @@ def ready() -> bool:
         from torch.utils import cpp_extension
 
         if sys.stderr.isatty():
-            print("tformer: building the decode kernels for this CPU (once, about 25 s)", file=sys.stderr)
+            print("tformer: building the decode kernels for this CPU (once, about 20 s)", file=sys.stderr)
         cpp_extension.load(
             name=build_name(cflags),
             sources=[str(source) for source in SOURCES],
