@@ -16,12 +16,11 @@ Run:  python benchmarks/decode_attention.py
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _common import cpu_model
+from _common import best, cpu_model
 
 from tformer import kernels
 from tformer.attention.sdpa import sdpa_attention
@@ -31,17 +30,8 @@ HEADS = {"SmolLM2-135M": (9, 3, 64), "demo": (4, 4, 32)}  # query heads, key/val
 
 def per_call(fn, repeats: int) -> float:
     """Seconds per call of ``fn()``: the best of ``repeats`` means over enough calls to last ~20 ms."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    calls = max(10, int(0.02 / max(time.perf_counter() - start, 1e-7)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return min(times)
+    calls = max(10, int(0.02 / max(best(fn, 2), 1e-7)))
+    return best(lambda: [fn() for _ in range(calls)], repeats) / calls
 
 
 def main() -> None:

@@ -213,8 +213,6 @@ def attention(
     kernel (the caller checks :func:`uses_attention_kernel`). ``is_causal``: query ``i`` sees keys ``j <= i``
     (top-left aligned, as :func:`tformer.attention.scaled_dot_product_attention`); a row that sees no key is zeros.
     Float32 inside, one rounding to the inputs' dtype."""
-    if attn_mask is not None and attn_mask.dim() < 4:
-        attn_mask = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     return torch.ops.tformer.decode_attention(query, key, value, attn_mask, is_causal, scale)
 

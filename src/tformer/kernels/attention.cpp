@@ -59,12 +59,6 @@ inline float exp_nonpositive(float x) {
   return er * two_n;
 }
 
-// Strides (in elements) of a 4-d tensor (B, heads, rows, cols) whose last dimension is contiguous.
-struct View4 {
-  const void* data;
-  int64_t s0, s1, s2;
-};
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TFORMER_AVX512_ATTENTION 1
 #include <immintrin.h>
@@ -160,10 +154,11 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 #endif
 
 template <typename T>
-void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, int64_t mask_stride, int64_t keys,
-                int64_t D, int64_t Dv, float scale, float* scores, float* acc, T* out) {
-  const T* k0 = static_cast<const T*>(k.data);
-  const T* v0 = static_cast<const T*>(v.data);
+// One (batch, head, query row): q (D,), the rows of its key/value head k0 (keys, D) and v0 (keys, Dv), `k_stride` and
+// `v_stride` elements apart, the row's mask (every `mask_stride`-th bool; none: all keys) -> out (Dv,).
+void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t v_stride, const bool* mask,
+                int64_t mask_stride, int64_t keys, int64_t D, int64_t Dv, float scale, float* scores, float* acc,
+                T* out) {
   float qf[1024];  // D <= 1024 (checked by the op)
   for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -177,10 +172,10 @@ void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, in
       for (int i = 0; i < 4; ++i) scores[first + i] = kMasked;
       continue;
     }
-    const T* kj = k0 + first * k.s2;
+    const T* kj = k0 + first * k_stride;
     float dots[4];
-    _mm_storeu_ps(dots, reduce4(partial_dot(q, qf, kj, D), partial_dot(q, qf, kj + k.s2, D),
-                                partial_dot(q, qf, kj + 2 * k.s2, D), partial_dot(q, qf, kj + 3 * k.s2, D)));
+    _mm_storeu_ps(dots, reduce4(partial_dot(q, qf, kj, D), partial_dot(q, qf, kj + k_stride, D),
+                                partial_dot(q, qf, kj + 2 * k_stride, D), partial_dot(q, qf, kj + 3 * k_stride, D)));
     for (int i = 0; i < 4; ++i) {
       scores[first + i] = seen[i] ? dots[i] * scale : kMasked;
       if (seen[i]) best = std::max(best, scores[first + i]);
@@ -192,7 +187,7 @@ void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, in
       scores[j] = kMasked;
       continue;
     }
-    const T* kj = k0 + j * k.s2;
+    const T* kj = k0 + j * k_stride;
 #ifdef TFORMER_AVX512_ATTENTION
     const float dot = _mm512_reduce_add_ps(partial_dot(q, qf, kj, D));
 #else
@@ -236,14 +231,14 @@ void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, in
   for (int64_t d0 = 0; d0 < Dv; d0 += 16 * kBlock) {  // kBlock vectors of 16 lanes at a time
     const int64_t width = std::min<int64_t>(Dv - d0, 16 * kBlock);
     switch ((width + 15) / 16) {
-      case 1: weighted_sum<1>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      case 2: weighted_sum<2>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      case 3: weighted_sum<3>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      case 4: weighted_sum<4>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      case 5: weighted_sum<5>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      case 6: weighted_sum<6>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      case 7: weighted_sum<7>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
-      default: weighted_sum<8>(scores, v0 + d0, v.s2, keys, width, acc + d0); break;
+      case 1: weighted_sum<1>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      case 2: weighted_sum<2>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      case 3: weighted_sum<3>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      case 4: weighted_sum<4>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      case 5: weighted_sum<5>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      case 6: weighted_sum<6>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      case 7: weighted_sum<7>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
+      default: weighted_sum<8>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
     }
   }
 #else
@@ -251,7 +246,7 @@ void attend_one(const T* q, const View4& k, const View4& v, const bool* mask, in
   for (j = 0; j < keys; ++j) {
     const float p = scores[j];
     if (p == 0.0f) continue;
-    const T* vj = v0 + j * v.s2;
+    const T* vj = v0 + j * v_stride;
 #pragma omp simd
     for (int64_t d = 0; d < Dv; ++d) acc[d] += p * to_float(vj[d]);
   }
@@ -266,7 +261,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t group = H / Hkv;
-  const T* qp = q.const_data_ptr<T>();
+  const T *qp = q.const_data_ptr<T>(), *kp = k.const_data_ptr<T>(), *vp = v.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   const bool* mp = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
   const int64_t ms0 = mp ? mask.stride(0) : 0, ms1 = mp ? mask.stride(1) : 0, ms2 = mp ? mask.stride(2) : 0;
@@ -279,14 +274,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t l = t % L, h = (t / L) % H, b = t / (L * H), hk = h / group;
       const int64_t keys = is_causal ? std::min<int64_t>(S, l + 1) : S;  // top-left aligned: key j <= row l
-      const View4 kv{static_cast<const T*>(k.const_data_ptr()) + b * k.stride(0) + hk * k.stride(1), 0, 0,
-                     k.stride(2)};
-      const View4 vv{static_cast<const T*>(v.const_data_ptr()) + b * v.stride(0) + hk * v.stride(1), 0, 0,
-                     v.stride(2)};
+      const T* krows = kp + b * k.stride(0) + hk * k.stride(1);
+      const T* vrows = vp + b * v.stride(0) + hk * v.stride(1);
       const bool* mrow = mp ? mp + b * ms0 + h * ms1 + l * ms2 : nullptr;
       const T* qrow = qp + b * q.stride(0) + h * q.stride(1) + l * q.stride(2);
       T* orow = op + ((b * H + h) * L + l) * Dv;
-      attend_one<T>(qrow, kv, vv, mrow, ms3, keys, D, Dv, scale, scores.data(), acc.data(), orow);
+      attend_one<T>(qrow, krows, k.stride(2), vrows, v.stride(2), mrow, ms3, keys, D, Dv, scale, scores.data(),
+                    acc.data(), orow);
     }
   });
 }
