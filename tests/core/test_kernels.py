@@ -30,6 +30,13 @@ U_F32 = 2.0**-24
 SHAPES = [(1, 576, 576), (1, 1536, 77), (2, 100, 5), (3, 33, 64), (4, 8, 3), (4, 24, 300), (1, 1, 1)]  # (M, I, O)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:
+    """Many tests here call the ops directly: build them first, so that a test run on its own (``-k``) does not
+    depend on an earlier one having built them."""
+    assert kernels.ready(), kernels.build_error()
+
+
 def case(m: int, i: int, o: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g), torch.randn(o, generator=g)
