@@ -228,6 +228,34 @@ def test_the_attention_kernel_errs_no_more_than_pytorchs_attention_against_float
     assert error <= 2 * plain_error + 4 * U_F32 * seen
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_the_attention_kernel_stops_at_each_rows_last_visible_key(layout):
+    """A static cache's mask: row r sees its first ``length_r`` columns, the rest are unwritten (the kernel skips
+    the keys after a row's last visible one, scanning a contiguous mask eight bytes a read). Lengths on both sides of
+    those eight-key words, the whole row and none, and one row whose only visible key lies alone far out in the tail;
+    also a mask with columns ``L`` apart (a transposed view). Bound as in the test against float64 above."""
+    B, H, Hkv, L, S, D = 2, 2, 1, 4, 41, 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(B, H, L, D, generator=g),
+        torch.randn(B, Hkv, S, D, generator=g),
+        torch.randn(B, Hkv, S, D, generator=g),
+    )
+    lengths = torch.tensor([[0, 1, 7, 8], [9, 16, 17, S]])  # (B, L)
+    mask = (torch.arange(S) < lengths[..., None]).unsqueeze(1)  # (B, 1, L, S)
+    mask[0, 0, 0, S - 3] = True  # row (0, 0): a single visible key, 38 columns past an empty prefix
+    if layout == "strided":
+        mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert mask.stride(-1) == L
+    exact = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, False, backend="reference")
+    out = kernels.attention(q, k, v, mask, False, None)
+    with kernels.enabled(False):
+        plain = sdpa_attention(q, k, v, mask, False)
+    error, plain_error = (out.double() - exact).abs().max(), (plain.double() - exact).abs().max()
+    assert error <= 2 * plain_error + 4 * U_F32 * exact.abs().amax()
+    assert torch.allclose(out[0, :, 0], v[0, 0, S - 3].expand(H, D))  # softmax over one key: that key's value
+
+
 def test_the_attention_kernels_softmax_is_within_float32_roundings_over_the_exponents_range():
     """One-dimensional heads with ``q = 1``, ``scale = 1`` and ``V = I``: the output row is the softmax of the keys
     themselves, so it checks the kernel's exponential. Scores spread over [-80, 0] (every binade of exp it uses); each

@@ -90,3 +90,29 @@ def test_compiled_steps_after_the_first_still_run_each_models_own_graph(random_l
     for _ in range(2):  # the second round finds every graph cached
         for model, tokens in zip(models, eager, strict=True):
             assert generate(model, prompts, max_new_tokens=12, greedy=True, compile=True) == tokens
+
+
+@pytest.mark.slow
+def test_compiled_steps_after_the_first_call_their_graph_without_dynamo(random_lm, random_prompts):
+    """From the second step on, a compiled static generation calls its step graph directly (``StaticLM.replay``,
+    taken from the first step's call): dynamo is not entered again. The graph reads the token, key mask, positions
+    and slot that each step wrote in place, so every step's logits still equal eager decoding's (teacher-forced:
+    both fed the same, changing tokens; float32, the issue's 1e-5)."""
+    model = random_lm()
+    ids, mask = pad_left(random_prompts([3, 9]), 0)
+    with torch.inference_mode():
+        eager = StaticLM(model, ids, mask, max_new_tokens=10, compile=False)
+        compiled = StaticLM(model, ids, mask, max_new_tokens=10, compile=True)
+        a, b = eager.prefill(), compiled.prefill()
+        a, b = eager.step(a.argmax(-1)), compiled.step(a.argmax(-1))
+        assert (a - b).abs().max() < FLOAT32 and compiled.replay is not None
+        assert compiled.recorder.last is None  # the recorder keeps no reference to this generation's cache
+
+        def entered(*args):
+            raise AssertionError("a step after the first went through dynamo")
+
+        compiled.forward = entered
+        for _ in range(8):
+            token = a.argmax(-1)
+            a, b = eager.step(token), compiled.step(token)
+            assert (a - b).abs().max() < FLOAT32

@@ -33,6 +33,7 @@ from tformer.models import DecoderLM
 
 BUCKET = 64  # prompt lengths and capacities are rounded up to a multiple of this when compiling
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled forward
+_RECORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the _Recorder its CPU graphs report to
 # wall seconds of the last static generation's prefill and first step: with compile=True the compilation is in them
 LAST_TIMINGS: dict[str, float] = {}
 
@@ -51,9 +52,29 @@ def compiled_forward(model: DecoderLM):
         if next(model.parameters()).device.type == "cuda":
             _COMPILED[model] = torch.compile(model, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:  # the step's Python wrapper runs per token: skip its input-stride asserts (dynamo's guards hold them)
-            options = {"size_asserts": False}
-            _COMPILED[model] = torch.compile(model, dynamic=False, fullgraph=True, options=options)
+            _RECORDERS[model] = recorder = _Recorder({"size_asserts": False})
+            _COMPILED[model] = torch.compile(model, backend=recorder, dynamic=False, fullgraph=True)
     return _COMPILED[model]
+
+
+class _Recorder:
+    """``torch.compile``'s backend for CPU decoding: inductor (``torch._inductor.compile``, which is what
+    ``backend="inductor"`` runs) with ``options``, each compiled graph wrapped to note its last call: ``last`` is
+    ``(graph, arguments, outputs)``. :class:`StaticLM` takes its step's graph from there and calls it directly."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self.last: tuple | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graph = torch._inductor.compile(gm, example_inputs, self.options)
+
+        def run(*args):
+            outputs = graph(*args)
+            self.last = (graph, args, outputs)
+            return outputs
+
+        return run
 
 
 def auto_compile(device: torch.device | str) -> bool:
@@ -102,8 +123,11 @@ class StaticLM:
         self.prompt_positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P): left padding does not count
         self.position = self.prompt_positions[:, -1:] + 1  # (B, 1): the next token's position, advanced in place
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column, advanced in place
+        self.token = ids.new_zeros(B, 1)  # the step's input: the same tensor at every step, its value copied in
         self.cache = model.new_cache(self.capacity)
         self.forward = compiled_forward(model) if compile else model
+        self.recorder: _Recorder | None = _RECORDERS.get(model) if compile else None
+        self.replay: tuple | None = None  # (graph, arguments): the compiled step, called without dynamo
         self.compiled = compile
         self.steps = 0
 
@@ -115,6 +139,8 @@ class StaticLM:
             layer.self_kv.slots = slots
         prompt = self.ids[:, : self.length].contiguous()  # its own strides: the graph must not see the buffer width
         logits = self.forward(prompt, self.keys, self.cache, self.prompt_positions)[:, -1]
+        if self.recorder is not None:
+            self.recorder.last = None  # it would hold this generation's cache
         for layer in self.cache:
             layer.self_kv.slots = self.slot  # every step writes the column this tensor holds
         self.slot.fill_(self.length)
@@ -127,12 +153,20 @@ class StaticLM:
         start = time.perf_counter()
         self.ids.select(1, self.length).copy_(tokens)
         self.keys.index_fill_(1, self.slot, True)
-        # The first step ran dynamo's guards and chose the graph; every later step passes the same objects with the
-        # same shapes, so only the guards that tell cached graphs apart need to run (the guard checks of a step's
-        # ~10 tensors per layer otherwise cost about as much as the whole demo model's arithmetic).
-        later = self.compiled and self.steps
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if later else contextlib.nullcontext():
-            logits = self.forward(tokens[:, None], self.keys, self.cache, self.position)[:, -1]
+        self.token.copy_(tokens[:, None])
+        if self.replay is not None:
+            graph, args = self.replay
+            logits = graph(*args)[0][:, -1]
+        else:
+            # The first step runs dynamo's guards and chooses the graph. Every later step passes the same objects with
+            # the same shapes, so none of dynamo's work would change its outcome: where the graph can be called
+            # directly (_take_replay), it is; otherwise only the guards that tell cached graphs apart run.
+            later = self.compiled and self.steps
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if later else contextlib.nullcontext():
+                out = self.forward(self.token, self.keys, self.cache, self.position)
+            if self.recorder is not None and not self.steps:
+                self.replay = self._take_replay(out)
+            logits = out[:, -1]
         self.length += 1
         self.slot.add_(1)
         self.position.add_(1)
@@ -140,3 +174,18 @@ class StaticLM:
         if self.steps == 1:
             LAST_TIMINGS["first step"] = time.perf_counter() - start
         return logits
+
+    def _take_replay(self, out: Tensor) -> tuple | None:
+        """The first compiled step's graph and arguments, if calling the graph is all that the step did: the recorded
+        call took this step's token tensor and returned exactly ``out`` (no output that dynamo's bytecode around the
+        graph turned into something else, no side effect for it to replay). A later step then writes its token into
+        the same tensor and calls the graph with the same arguments: the tensors dynamo's guards checked at the first
+        step, mutated in place since (the cache, the key mask, the positions, the slot). ``None``: keep calling
+        through dynamo."""
+        last, self.recorder.last = self.recorder.last, None
+        if last is None:
+            return None
+        graph, args, outputs = last
+        if len(outputs) == 1 and outputs[0] is out and any(a is self.token for a in args):
+            return graph, args
+        return None

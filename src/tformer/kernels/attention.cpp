@@ -7,7 +7,8 @@
 //   1. s_j = (q . k_j) * scale for every key j the mask lets it see (float32 sums of exact float32 products);
 //   2. p_j = exp(s_j - max_j s_j), the max-subtracted softmax numerators (masked keys: exactly 0);
 //   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype.
-// A row that may see no key returns zeros (the library's convention). Grouped-query heads read key/value head
+// Keys after a row's last visible one are skipped (a static cache's unwritten columns). A row that may see no key
+// returns zeros (the library's convention). Grouped-query heads read key/value head
 // h / (H / Hkv). Tasks run on torch's OpenMP pool (at::parallel_for), inline when the problem is small.
 //
 // On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
@@ -255,6 +256,23 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
   for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
+// One past the row's last visible key (0: none), so the keys after it are never touched. In a static cache's mask
+// most columns are the positions not yet written, all at the end (a SmolLM2 step at 40 tokens in a 320-column cache:
+// 280 masked keys a head, which cost the demo model's step as much as its visible ones). Mask bytes are 0 or 1, so a
+// contiguous mask is scanned eight keys a read.
+inline int64_t visible_end(const bool* mask, int64_t stride, int64_t keys) {
+  if (mask == nullptr) return keys;
+  int64_t end = keys;
+  if (stride == 1) {
+    for (uint64_t word = 0; end >= 8; end -= 8) {
+      std::memcpy(&word, mask + end - 8, 8);
+      if (word != 0) break;
+    }
+  }
+  while (end > 0 && !mask[(end - 1) * stride]) --end;
+  return end;
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, bool is_causal,
          float scale, at::Tensor& out) {
@@ -273,10 +291,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     std::vector<float> scores(S), acc(Dv);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t l = t % L, h = (t / L) % H, b = t / (L * H), hk = h / group;
-      const int64_t keys = is_causal ? std::min<int64_t>(S, l + 1) : S;  // top-left aligned: key j <= row l
+      const bool* mrow = mp ? mp + b * ms0 + h * ms1 + l * ms2 : nullptr;
+      const int64_t keys = visible_end(mrow, ms3, is_causal ? std::min<int64_t>(S, l + 1) : S);  // causal: top-left
       const T* krows = kp + b * k.stride(0) + hk * k.stride(1);
       const T* vrows = vp + b * v.stride(0) + hk * v.stride(1);
-      const bool* mrow = mp ? mp + b * ms0 + h * ms1 + l * ms2 : nullptr;
       const T* qrow = qp + b * q.stride(0) + h * q.stride(1) + l * q.stride(2);
       T* orow = op + ((b * H + h) * L + l) * Dv;
       attend_one<T>(qrow, krows, k.stride(2), vrows, v.stride(2), mrow, ms3, keys, D, Dv, scale, scores.data(),
