@@ -8,7 +8,11 @@ benchmark times one such call, best of ``--repeats`` (each the mean of many call
 
 through tformer's ``sdpa`` backend with the kernel on and off (off: PyTorch's fused CPU kernel, bfloat16 cast to
 float32 up to 256 keys by the rule of ``tformer.attention.sdpa``), and PyTorch's ``F.scaled_dot_product_attention``
-on the inputs as they are. A boolean mask hides a tenth of the keys (a static cache's unwritten columns).
+on the inputs as they are. A boolean mask hides the last tenth of the keys (a static cache's unwritten columns).
+
+A second table times a static cache an eighth written: the kernel over S columns of which the first S / 8 are
+visible, against the kernel over those S / 8 keys alone (it skips the keys after a row's last visible one, so the
+unwritten columns should cost little beyond a scan of their mask).
 
 Run:  python benchmarks/decode_attention.py
 """
@@ -61,6 +65,22 @@ def main() -> None:
             print(
                 f"| {name} {H}/{Hkv}x{D} | {str(dtype)[6:]} | {S} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
                 f"{raw * 1e6:.1f} | **{theirs / ours:.2f}x** |",
+                flush=True,
+            )
+    print("\n| heads | dtype | columns | written | kernel us | kernel over the written keys alone us | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, dtype in cases:
+        H, Hkv, D = HEADS[name]
+        for S in args.keys:
+            q = torch.randn(1, H, 1, D).to(dtype)
+            k, v = torch.randn(1, Hkv, S, D).to(dtype), torch.randn(1, Hkv, S, D).to(dtype)
+            n = S // 8
+            mask = (torch.arange(S) < n).view(1, 1, 1, S)
+            cache = per_call(partial(kernels.attention, q, k, v, mask, False, None), args.repeats)
+            alone = per_call(partial(kernels.attention, q, k[:, :, :n], v[:, :, :n], None, False, None), args.repeats)
+            print(
+                f"| {name} {H}/{Hkv}x{D} | {str(dtype)[6:]} | {S} | {n} | {cache * 1e6:.1f} | {alone * 1e6:.1f} | "
+                f"{cache / alone:.2f} |",
                 flush=True,
             )
 

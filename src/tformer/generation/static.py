@@ -43,6 +43,7 @@ _RECORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 
 LAST_TIMINGS: dict[str, float] = {}
 
 
+REPLAY = True  # False: every compiled CPU step goes through dynamo (benchmarks/decode.py measures the difference)
 RECOMPILE_LIMIT = 64  # graphs of DecoderLM.forward dynamo keeps: one per model x bucket x (prefill, step)
 
 
@@ -169,7 +170,7 @@ class StaticLM:
             later = self.compiled and self.steps
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if later else contextlib.nullcontext():
                 out = self.forward(self.token, self.keys, self.cache, self.position)
-            if self.recorder is not None and not self.steps:
+            if self.recorder is not None and not self.steps and REPLAY:
                 self.replay = self._take_replay(out)
             logits = out[:, -1]
         self.length += 1
