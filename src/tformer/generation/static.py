@@ -103,7 +103,10 @@ def round_up(n: int, to: int = BUCKET) -> int:
 
 class StaticLM:
     """:class:`tformer.generation.sampling.IncrementalLM`'s interface (``prefill``, ``step``, ``ids``, ``length``)
-    over a static cache of ``P + max_new_tokens`` positions (rounded up to buckets when compiling)."""
+    over a static cache of ``P + max_new_tokens`` positions (rounded up to buckets when compiling).
+
+    ``replay``: ``None``, or once a compiled CPU step has run, ``(graph, arguments)``: the step's compiled graph and
+    the tensors it takes, which every later step of this generation calls directly (the module docstring)."""
 
     def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int, compile: bool):
         B, P = ids.shape
