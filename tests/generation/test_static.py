@@ -116,3 +116,20 @@ def test_compiled_steps_after_the_first_call_their_graph_without_dynamo(random_l
             token = a.argmax(-1)
             a, b = eager.step(token), compiled.step(token)
             assert (a - b).abs().max() < FLOAT32
+
+
+@pytest.mark.slow
+def test_compiled_steps_through_dynamo_leave_no_reference_to_the_cache(random_lm, random_prompts, monkeypatch):
+    """Without the replay (``static.REPLAY`` off, as ``benchmarks/decode.py`` measures it) every step goes through
+    dynamo and the recorder notes each call; the step drops that note, so no generation's cache outlives it there."""
+    from tformer.generation import static
+
+    monkeypatch.setattr(static, "REPLAY", False)
+    model = random_lm()
+    ids, mask = pad_left(random_prompts([3, 9]), 0)
+    with torch.inference_mode():
+        lm = StaticLM(model, ids, mask, max_new_tokens=6, compile=True)
+        token = lm.prefill().argmax(-1)
+        for _ in range(4):
+            token = lm.step(token).argmax(-1)
+            assert lm.replay is None and lm.recorder.last is None

@@ -15,9 +15,10 @@ strides (``size_asserts``: ~300 Python calls a SmolLM2 step, 2-3% of it), and wi
 :class:`StaticLM` passes the same tensors at every step (the token copied into one tensor, the cache, key mask,
 positions and slot written in place), dynamo's guards checked them at the first, so later steps call the step's
 compiled graph directly (:attr:`StaticLM.replay`). That is the CPU's counterpart of a CUDA graph replay: it removes
-dynamo's frame evaluation, argument gathering and wrappers, ~0.15 ms a step, a quarter of the demo model's compiled
-step. The model must not change during one generation except in place (what dynamo's guards would also assume
-with ``skip_guard_eval_unsafe``); the next generation's first step runs every guard again.
+dynamo's frame evaluation, argument gathering and wrappers, 0.15-0.25 ms a step, a quarter to a third of the demo
+model's compiled step (BENCHMARKS.md, "Compiled decoding"). The model must not change during one generation except
+in place (what dynamo's guards would also assume with ``skip_guard_eval_unsafe``); the next generation's first step
+runs every guard again.
 
 Shapes: B, P, S, V (the package legend, :mod:`tformer`).
 """
@@ -173,8 +174,10 @@ class StaticLM:
             later = self.compiled and self.steps
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if later else contextlib.nullcontext():
                 out = self.forward(self.token, self.keys, self.cache, self.position)
-            if self.recorder is not None and not self.steps and REPLAY:
-                self.replay = self._take_replay(out)
+            if self.recorder is not None:
+                if not self.steps and REPLAY:
+                    self.replay = self._take_replay(out)
+                self.recorder.last = None  # it would hold this generation's cache (every step, if not replaying)
             logits = out[:, -1]
         self.length += 1
         self.slot.add_(1)
@@ -191,10 +194,9 @@ class StaticLM:
         the same tensor and calls the graph with the same arguments: the tensors dynamo's guards checked at the first
         step, mutated in place since (the cache, the key mask, the positions, the slot). ``None``: keep calling
         through dynamo."""
-        last, self.recorder.last = self.recorder.last, None
-        if last is None:
+        if self.recorder.last is None:
             return None
-        graph, args, outputs = last
+        graph, args, outputs = self.recorder.last
         if len(outputs) == 1 and outputs[0] is out and any(a is self.token for a in args):
             return graph, args
         return None
