@@ -198,6 +198,31 @@ def test_pruning_keeps_the_newest_and_ignores_leftovers(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the leftover is cleaned by the next save
 
 
+def test_a_run_read_while_its_training_prunes_the_checkpoint_gives_the_newer_one(tmp_path, monkeypatch):
+    """The reader picks step 1; before it reads the weights, the live run saves steps 2 and 3 and prunes step 1
+    (keep=1). Reading the run directory gives step 3; reading step 1's own directory stays an error."""
+    from tformer.training import checkpoint
+
+    _save(tmp_path, step=1, keep=1)
+    read, calls = checkpoint.load_model_weights, []
+
+    def racing_read(model, path):
+        calls.append(path.parent.name)
+        if len(calls) == 1:
+            first = tmp_path / "checkpoints" / "step-000001"
+            _save(tmp_path, step=2, keep=1)
+            _save(tmp_path, step=3, keep=1)
+            assert not first.exists()
+        read(model, path)
+
+    monkeypatch.setattr(checkpoint, "load_model_weights", racing_read)
+    assert load_checkpoint(tmp_path).step == 3
+    assert calls == ["step-000001", "step-000003"]
+    monkeypatch.setattr(checkpoint, "load_model_weights", read)
+    with pytest.raises(CheckpointError, match="step-000001: no such file"):
+        load_checkpoint(tmp_path / "checkpoints" / "step-000001")
+
+
 def _train_command(out, corpus, cache, *extra):
     return [
         sys.executable,

@@ -414,8 +414,29 @@ def load_checkpoint(
     exact); by default the saved one, except that a model trained with ``"triton"`` runs on ``"auto"`` when
     ``map_location`` is not a CUDA device (the Triton kernels need a GPU).
     Raises :class:`CheckpointError` for anything missing, truncated, corrupted or foreign.
+
+    A run directory may be read while its training writes to it: if the newest checkpoint is pruned while it is
+    being read (a live run keeps only the last few), the one that replaced it is read instead.
     """
-    directory = resolve_checkpoint(path)
+    path = Path(path)
+    for _ in range(_READ_ATTEMPTS - 1):
+        directory = resolve_checkpoint(path)
+        try:
+            return _load_directory(directory, map_location, with_state, attn_backend)
+        except CheckpointError:
+            # Pruning follows a newer save, so a newer checkpoint in place means this one may have been deleted
+            # under the reader; with none, the failure is the checkpoint's own.
+            if directory == path or resolve_checkpoint(path) == directory:
+                raise
+    return _load_directory(resolve_checkpoint(path), map_location, with_state, attn_backend)
+
+
+_READ_ATTEMPTS = 5  # a live run saving faster than one read takes five times over is not a run to read from
+
+
+def _load_directory(
+    directory: Path, map_location: str | torch.device, with_state: bool, attn_backend: str | None
+) -> Checkpoint:
     manifest = read_manifest(directory)
     try:
         config = TransformerConfig.from_dict(manifest["model_config"])
