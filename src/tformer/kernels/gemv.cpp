@@ -6,12 +6,16 @@
 // kPrefetchRows rows ahead, and keeps one float32 accumulator per row of x. The sum is rounded to bfloat16 once, after
 // the bias: what F.linear computes, up to the order of the float32 additions.
 //
-// Two paths, chosen when the file is compiled (-march=native, on the machine that runs it):
+// Three paths, chosen when the file is compiled (-march=native, on the machine that runs it):
 //   AVX512-BF16: _mm512_dpbf16_ps multiplies 32 bfloat16 pairs exactly and adds them into 16 float32 lanes;
+//   AVX2 + FMA:  16 weights a load; the even ones become float32 by a 16-bit shift of each 32-bit word, the odd
+//                ones by masking off its low half (a bfloat16 is the top half of a float32), each multiplied by x's
+//                matching half, which is split into even and odd float32s once per call;
 //   portable:    bfloat16 -> float32 is a 16-bit shift; 16 independent lanes per row that compilers vectorize.
 //
 // The same streaming for weight-only int8 (tformer.quantize): y = (x Q^T) * s (+ b) with int8 codes Q (N, K) and one
-// float scale per row, x bfloat16 or float32: one byte per weight read, converted to float32 in registers.
+// float scale per row, x bfloat16 or float32: one byte per weight read, converted to float32 in registers (AVX-512:
+// 16 codes an instruction; AVX2: 8).
 //
 // Built on first use by tformer/kernels/__init__.py (torch.utils.cpp_extension); the ops are tformer::gemv_bf16 and
 // tformer::gemv_int8.
@@ -36,6 +40,15 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TFORMER_AVX512_INT8 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#if !defined(TFORMER_AVX512_BF16)
+#define TFORMER_AVX2_BF16 1
+#endif
+#if !defined(TFORMER_AVX512_INT8)
+#define TFORMER_AVX2_INT8 1
+#endif
 #endif
 
 namespace {
@@ -82,6 +95,76 @@ void rows_avx512(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_
 }
 #endif
 
+#if defined(TFORMER_AVX2_BF16) || defined(TFORMER_AVX2_INT8)
+inline float hsum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
+#ifdef TFORMER_AVX2_BF16
+// x (R rows of K) as the AVX2 loop reads it: per 16 columns, the 8 even ones then the 8 odd ones, in float32; the
+// last K % 16 columns in order.
+std::vector<float> split_even_odd(const bf16* x, int64_t M, int64_t K) {
+  std::vector<float> xs(M * K);
+  const int64_t body = K - K % 16;
+  for (int64_t r = 0; r < M; ++r) {
+    const bf16* xr = x + r * K;
+    float* out = xs.data() + r * K;
+    for (int64_t k = 0; k < body; k += 16) {
+      for (int j = 0; j < 8; ++j) {
+        out[k + j] = static_cast<float>(xr[k + 2 * j]);
+        out[k + 8 + j] = static_cast<float>(xr[k + 2 * j + 1]);
+      }
+    }
+    for (int64_t k = body; k < K; ++k) out[k] = static_cast<float>(xr[k]);
+  }
+  return xs;
+}
+
+// out[r, n] = sum_k x[r, k] w[n, k] for rows n0 <= n < n1 of W; xs is x split by split_even_odd. U blocks of 16
+// weights per iteration: at one row of x, four independent FMA chains (the FMA's latency would otherwise cap the
+// loop below the loads' rate).
+template <int R>
+void rows_avx2(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t N, int64_t n0,
+               int64_t n1) {
+  constexpr int U = R == 1 ? 2 : 1;
+  const int64_t body = K - K % 16;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t n = n0; n < n1; ++n) {
+    const bf16* wr = w + n * K;
+    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
+    __m256 acc[R][2 * U];
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < 2 * U; ++u) acc[r][u] = _mm256_setzero_ps();
+    }
+    int64_t k = 0;
+    const auto block = [&](int64_t at, int u) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + at));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * u] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xs + r * K + at), acc[r][2 * u]);
+        acc[r][2 * u + 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xs + r * K + at + 8), acc[r][2 * u + 1]);
+      }
+    };
+    for (; k + 16 * U <= body; k += 16 * U) {
+      for (int u = 0; u < U; ++u) block(k + 16 * u, u);
+    }
+    for (; k < body; k += 16) block(k, 0);
+    const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
+    for (int r = 0; r < R; ++r) {
+      __m256 total = acc[r][0];
+      for (int u = 1; u < 2 * U; ++u) total = _mm256_add_ps(total, acc[r][u]);
+      float sum = hsum8(total);
+      for (int64_t kk = body; kk < K; ++kk) sum += static_cast<float>(wr[kk]) * xs[r * K + kk];
+      y[r * N + n] = bf16(sum + b);
+    }
+  }
+}
+#endif
+
 // sum[r] = sum_k xf[r, k] w[k] for one row w of K weights (bfloat16 or int8) and R rows of xf (float32), on any
 // CPU: 16 independent lanes per row of x, which compilers vectorize; the order of the additions is fixed.
 template <int R, typename W>
@@ -119,9 +202,12 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
 template <int R>
 void pass(const bf16* x, const float* xf, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t N,
           int64_t n0, int64_t n1) {
-#ifdef TFORMER_AVX512_BF16
+#if defined(TFORMER_AVX512_BF16)
   (void)xf;
   rows_avx512<R>(x, w, bias, y, K, N, n0, n1);
+#elif defined(TFORMER_AVX2_BF16)
+  (void)x;
+  rows_avx2<R>(xf, w, bias, y, K, N, n0, n1);
 #else
   (void)x;
   rows_portable<R>(xf, w, bias, y, K, N, n0, n1);
@@ -149,8 +235,10 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::o
   const bf16* wp = wc.const_data_ptr<bf16>();
   const bf16* bp = b.defined() ? b.const_data_ptr<bf16>() : nullptr;
   bf16* yp = y.mutable_data_ptr<bf16>();
-  std::vector<float> xf;
-#ifndef TFORMER_AVX512_BF16
+  std::vector<float> xf;  // x in float32 for the paths without bfloat16 arithmetic
+#if defined(TFORMER_AVX2_BF16)
+  xf = split_even_odd(xp, M, K);
+#elif !defined(TFORMER_AVX512_BF16)
   xf.resize(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
 #endif
@@ -173,6 +261,11 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::o
 // ---------------------------------------------------------------------------------------------------------------
 #ifdef TFORMER_AVX512_INT8
 inline __m512 widen(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }  // 16 int8 -> float32
+#endif
+#ifdef TFORMER_AVX2_INT8
+inline __m256 widen8(const int8_t* codes) {  // 8 int8 -> float32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+}
 #endif
 
 // A float32 or bfloat16 vector read as float32 (the scales and the bias, in the model's dtype: no conversion call).
@@ -220,6 +313,32 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
     for (int r = 0; r < R; ++r) {
       for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
       sum[r] = _mm512_reduce_add_ps(acc[r][0]);
+    }
+#elif defined(TFORMER_AVX2_INT8)
+    // 16 codes a block, widened 8 at a time; four independent FMA chains at one row of x, two above
+    constexpr int U = R == 1 ? 2 : 1;
+    __m256 acc[R][2 * U];
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < 2 * U; ++u) acc[r][u] = _mm256_setzero_ps();
+    }
+    const int64_t body = K - K % 16;
+    const auto block = [&](int64_t at, int u) {
+      const __m256 lo = widen8(qr + at), hi = widen8(qr + at + 8);
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * u] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + r * K + at), acc[r][2 * u]);
+        acc[r][2 * u + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + r * K + at + 8), acc[r][2 * u + 1]);
+      }
+    };
+    int64_t k = 0;
+    for (; k + 16 * U <= body; k += 16 * U) {
+      for (int u = 0; u < U; ++u) block(k + 16 * u, u);
+    }
+    for (; k < body; k += 16) block(k, 0);
+    for (int r = 0; r < R; ++r) {
+      __m256 total = acc[r][0];
+      for (int u = 1; u < 2 * U; ++u) total = _mm256_add_ps(total, acc[r][u]);
+      sum[r] = hsum8(total);
+      for (int64_t kk = body; kk < K; ++kk) sum[r] += static_cast<float>(qr[kk]) * xf[r * K + kk];
     }
 #else
     dot_portable<R>(xf, qr, K, sum);
@@ -287,13 +406,17 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 // Which paths this build took, e.g. "bf16=avx512_bf16 int8=avx512"
 std::string gemv_paths() {
-#ifdef TFORMER_AVX512_BF16
+#if defined(TFORMER_AVX512_BF16)
   std::string paths = "bf16=avx512_bf16";
+#elif defined(TFORMER_AVX2_BF16)
+  std::string paths = "bf16=avx2";
 #else
   std::string paths = "bf16=portable";
 #endif
-#ifdef TFORMER_AVX512_INT8
+#if defined(TFORMER_AVX512_INT8)
   return paths + " int8=avx512";
+#elif defined(TFORMER_AVX2_INT8)
+  return paths + " int8=avx2";
 #else
   return paths + " int8=portable";
 #endif
