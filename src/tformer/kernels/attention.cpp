@@ -12,7 +12,8 @@
 // h / (H / Hkv). Tasks run on torch's OpenMP pool (at::parallel_for), inline when the problem is small.
 //
 // On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
-// keys' sums reduced together); elsewhere plain C++ that the compiler vectorizes (`omp simd` reductions). exp is a
+// keys' sums reduced together), on AVX2 + FMA the same with 8 lanes; elsewhere plain C++ that the compiler
+// vectorizes (`omp simd` reductions). exp is a
 // polynomial (range reduction by ln 2, degree 6 on [-ln2/2, ln2/2]; relative error at most 8.4e-8 over [-87, 0],
 // measured against double's exp: 1.4 units of float32 roundoff), so step 2 runs 16 lanes at a time.
 //
@@ -152,6 +153,122 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// Step 2 on 16 lanes at a time from scores[0]: p = exp(s - best), masked keys (-inf) exactly 0; returns their sum and
+// leaves j at the first key not done.
+inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
+  __m512 totals = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(best), masked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j + 16 <= keys; j += 16) {
+    const __m512 s = _mm512_loadu_ps(scores + j);
+    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, masked, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, top)));
+    _mm512_storeu_ps(scores + j, p);
+    totals = _mm512_add_ps(totals, p);
+  }
+  return _mm512_reduce_add_ps(totals);
+}
+constexpr int kLanes = 16;
+#endif
+
+#if !defined(TFORMER_AVX512_ATTENTION) && defined(__AVX2__) && defined(__FMA__)
+#define TFORMER_AVX2_ATTENTION 1
+#include <immintrin.h>
+// The same loops on AVX2 + FMA: 8 float32 lanes, tails by maskload/maskstore (bfloat16 tails through a zeroed copy).
+constexpr int kLanes = 8;
+constexpr int kBlock = 8;  // value columns summed at once: 8 vectors of 8 float32 accumulators
+
+inline __m256i lane_mask(int64_t count) {  // all-ones in the first min(count, 8) lanes
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 load8(const float* p, int64_t count) {
+  return count >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(count));
+}
+inline __m256 load8(const bf16* p, int64_t count) {
+  __m128i raw;
+  if (count >= 8) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t part[8] = {};
+    std::memcpy(part, p, static_cast<size_t>(count) * sizeof(bf16));
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  // bfloat16 = top half of float32
+}
+
+// exp_nonpositive on 8 lanes: the same reduction and polynomial, 2^n built from its exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 er = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(er, _mm256_castsi256_ps(two_n));  // n >= -126: a normal 2^n
+}
+
+template <int NV, typename T>
+void weighted_sum(const float* p, const T* v, int64_t row_stride, int64_t keys, int64_t width, float* acc) {
+  __m256 sum[NV];
+  for (int c = 0; c < NV; ++c) sum[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {
+    if (p[j] == 0.0f) continue;
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* vj = v + j * row_stride;
+    for (int c = 0; c < NV; ++c) sum[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c, width - 8 * c), sum[c]);
+  }
+  for (int c = 0; c < NV; ++c) {
+    if (width - 8 * c >= 8) {
+      _mm256_storeu_ps(acc + 8 * c, sum[c]);
+    } else {
+      _mm256_maskstore_ps(acc + 8 * c, lane_mask(width - 8 * c), sum[c]);
+    }
+  }
+}
+
+template <typename T>
+inline __m256 partial_dot(const T* q, const float* qf, const T* k, int64_t D) {
+  (void)q;
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(load8(qf + d, D - d), load8(k + d, D - d), sum);
+  return sum;
+}
+
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d, per 128-bit half
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
+  __m256 totals = _mm256_setzero_ps();
+  const __m256 top = _mm256_set1_ps(best), masked = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j + 8 <= keys; j += 8) {
+    const __m256 s = _mm256_loadu_ps(scores + j);
+    const __m256 p = _mm256_and_ps(_mm256_cmp_ps(s, masked, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(s, top)));
+    _mm256_storeu_ps(scores + j, p);
+    totals = _mm256_add_ps(totals, p);
+  }
+  return hsum(totals);
+}
+#endif
+
+#if defined(TFORMER_AVX512_ATTENTION) || defined(TFORMER_AVX2_ATTENTION)
+#define TFORMER_SIMD_ATTENTION 1
 #endif
 
 template <typename T>
@@ -165,7 +282,7 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
   float best = kMasked;
   int64_t first = 0;  // 1. scores
-#ifdef TFORMER_AVX512_ATTENTION
+#ifdef TFORMER_SIMD_ATTENTION
   for (; first + 4 <= keys; first += 4) {  // four keys at a time, their sums reduced together
     bool seen[4];
     for (int i = 0; i < 4; ++i) seen[i] = mask == nullptr || mask[(first + i) * mask_stride];
@@ -189,8 +306,8 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
       continue;
     }
     const T* kj = k0 + j * k_stride;
-#ifdef TFORMER_AVX512_ATTENTION
-    const float dot = _mm512_reduce_add_ps(partial_dot(q, qf, kj, D));
+#ifdef TFORMER_SIMD_ATTENTION
+    const float dot = hsum(partial_dot(q, qf, kj, D));
 #else
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -211,16 +328,8 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
   }
   float total = 0.0f;  // 2. numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select)
   int64_t j = 0;
-#ifdef TFORMER_AVX512_ATTENTION
-  __m512 totals = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(best), masked = _mm512_set1_ps(kMasked);
-  for (; j + 16 <= keys; j += 16) {
-    const __m512 s = _mm512_loadu_ps(scores + j);
-    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, masked, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, top)));
-    _mm512_storeu_ps(scores + j, p);
-    totals = _mm512_add_ps(totals, p);
-  }
-  total = _mm512_reduce_add_ps(totals);
+#ifdef TFORMER_SIMD_ATTENTION
+  total = numerators(scores, keys, best, j);
 #endif
   for (; j < keys; ++j) {
     const float p = scores[j] == kMasked ? 0.0f : exp_nonpositive(scores[j] - best);
@@ -228,10 +337,10 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
     total += p;
   }
   // 3. the weighted sum of the values, float32 accumulators in registers
-#ifdef TFORMER_AVX512_ATTENTION
-  for (int64_t d0 = 0; d0 < Dv; d0 += 16 * kBlock) {  // kBlock vectors of 16 lanes at a time
-    const int64_t width = std::min<int64_t>(Dv - d0, 16 * kBlock);
-    switch ((width + 15) / 16) {
+#ifdef TFORMER_SIMD_ATTENTION
+  for (int64_t d0 = 0; d0 < Dv; d0 += kLanes * kBlock) {  // kBlock vectors of kLanes lanes at a time
+    const int64_t width = std::min<int64_t>(Dv - d0, kLanes * kBlock);
+    switch ((width + kLanes - 1) / kLanes) {
       case 1: weighted_sum<1>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
       case 2: weighted_sum<2>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
       case 3: weighted_sum<3>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
