@@ -1,12 +1,12 @@
-"""The bfloat16 matrix-vector kernel (tformer.kernels) against F.linear, on the matrices of a SmolLM2-135M decode step.
+"""The matrix-vector kernels (tformer.kernels) against F.linear, on the matrices of a SmolLM2-135M decode step.
 
 A decode step multiplies one row (or a few: a batch) by every weight matrix once. The benchmark holds SmolLM2-135M's
 121 matrices (30 layers of q|k|v, o and gate/up/down, and the 49152 x 576 head), random and distinct, so that they
 stream from memory as in a real step (135M parameters, far past the caches), and times one pass over all of them:
 
-* float32 ``F.linear`` (MKL), bfloat16 ``F.linear`` (oneDNN) and the bfloat16 kernel; int8 codes (bfloat16
-  activations) on ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows, best of
-  ``--repeats``, in one run, the order rotated every repeat;
+* float32 ``F.linear`` (MKL) and the float32 kernel, bfloat16 ``F.linear`` (oneDNN) and the bfloat16 kernel; int8
+  codes (bfloat16 activations) on ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows,
+  best of ``--repeats``, in one run, the order rotated every repeat;
 * the share of the read bandwidth (a ``sum`` over 1 GiB, measured in the same run) each reaches:
   weight bytes / time / bandwidth.
 
@@ -60,12 +60,21 @@ def main() -> None:
     params = sum(w.numel() for w in f32)
     bw = bandwidth()
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; {len(f32)} matrices, {params / 1e6:.1f}M weights")
-    names = ["float32 F.linear", "bfloat16 F.linear", "bfloat16 kernel", "int8 _weight_int8pack_mm", "int8 kernel"]
-    print(f"| rows | {' | '.join(names)} | bf16 kernel / F.linear | int8 kernel / pack |")
+    names = [
+        "float32 F.linear",
+        "float32 kernel",
+        "bfloat16 F.linear",
+        "bfloat16 kernel",
+        "int8 _weight_int8pack_mm",
+        "int8 kernel",
+    ]
+    ratios = "f32 kernel / F.linear | bf16 kernel / F.linear | int8 kernel / pack"
+    print(f"| rows | {' | '.join(names)} | {ratios} |")
     print("|---:|" + "---:|" * (len(names) + 2))
     for rows in args.rows:
         runs = [
             (one_step(f32, rows, F.linear), 4),
+            (one_step(f32, rows, lambda x, w: torch.ops.tformer.gemv_f32(x, w, None)), 4),
             (one_step(bf16, rows, F.linear), 2),
             (one_step(bf16, rows, lambda x, w: torch.ops.tformer.gemv_bf16(x, w, None)), 2),
             (one_step(int8, rows, pack), 1),
@@ -80,7 +89,8 @@ def main() -> None:
         cells = [
             f"{t * 1e3:.1f} ms ({params * nbytes / t / bw:.0%})" for t, (_, nbytes) in zip(times, runs, strict=True)
         ]
-        print(f"| {rows} | {' | '.join(cells)} | {times[1] / times[2]:.2f}x | {times[3] / times[4]:.2f}x |")
+        speedups = f"{times[0] / times[1]:.2f}x | {times[2] / times[3]:.2f}x | {times[4] / times[5]:.2f}x"
+        print(f"| {rows} | {' | '.join(cells)} | {speedups} |")
     print("(ms per pass over all matrices; in brackets: weight bytes / time / read bandwidth)")
 
 

@@ -57,7 +57,8 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 def test_the_kernel_builds_on_this_machine():
     assert kernels.ready(), kernels.build_error()
     paths = kernels.paths()
-    assert paths["bf16"] in {"avx512_bf16", "avx2", "portable"} and paths["int8"] in {"avx512", "avx2", "portable"}
+    assert paths["bf16"] in {"avx512_bf16", "avx2", "portable"}
+    assert paths["int8"] in {"avx512", "avx2", "portable"} and paths["f32"] in {"avx512", "avx2", "portable"}
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -71,6 +72,25 @@ def test_the_kernel_is_within_one_bfloat16_rounding_of_float64(shape, bias):
     assert ((y.double() - s).abs() <= bound).all()
     plain = (F.linear(x, w, b).double() - s).abs().max()  # the same products and one rounding: no worse than it
     assert (y.double() - s).abs().max() <= 2 * plain + 1e-30
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("shape", [*SHAPES, (1, 128, 384), (2, 512, 700)], ids=lambda s: "x".join(map(str, s)))
+def test_the_float32_kernel_is_within_a_float32_sums_roundoff_of_float64(shape, bias):
+    """A float32 sum of I exact-in-float64 products and the bias errs by at most ``(I + 1) u32 (|x| |w|^T + |b|)``;
+    (1, 128, 384) is one of the demo model's matrices run on the calling thread, (2, 512, 700) one split over
+    threads."""
+    g = torch.Generator().manual_seed(2)
+    m, i, o = shape
+    x, w, b = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g), torch.randn(o, generator=g)
+    b = b if bias else None
+    y = torch.ops.tformer.gemv_f32(x, w, b)
+    xd, wd = x.double(), w.double()
+    bd = torch.zeros(o, dtype=torch.float64) if b is None else b.double()
+    exact = xd @ wd.T + bd
+    bound = (i + 1) * U_F32 * (xd.abs() @ wd.abs().T + bd.abs())
+    assert y.dtype == torch.float32 and y.shape == (m, o)
+    assert ((y.double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -113,16 +133,27 @@ def test_the_kernel_refuses_mismatched_arguments_by_name():
         torch.ops.tformer.gemv_int8(x, codes, torch.ones(7), None)
     with pytest.raises(RuntimeError, match="need int8 codes"):
         torch.ops.tformer.gemv_int8(x, codes.float(), torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="need float32 x and weight"):
+        torch.ops.tformer.gemv_f32(x, w, None)
+    with pytest.raises(RuntimeError, match="float32 CPU bias of 8 values"):
+        torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()[:7])
 
 
-def test_linear_routes_only_gradient_free_bfloat16_cpu_calls_of_few_rows_to_the_kernel():
+def test_linear_routes_only_gradient_free_bfloat16_and_float32_cpu_calls_of_few_rows_to_the_kernel():
     x, w, b = case(kernels.MAX_ROWS, 32, 16)
     with torch.no_grad():
         assert kernels.uses_kernel(x, w, b)
         assert kernels.uses_kernel(x[None], w)  # leading dims are flattened: still MAX_ROWS rows
         assert not kernels.uses_kernel(torch.cat([x, x[:1]]), w)  # one row more: F.linear's GEMM
-        assert not kernels.uses_kernel(x.float(), w.float(), b.float())
-        assert not kernels.uses_kernel(x, w, b.float())
+        assert kernels.uses_kernel(x.float(), w.float(), b.float())
+        assert torch.equal(
+            kernels.linear(x.float(), w.float(), b.float()), torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float())
+        )
+        assert torch.equal(kernels.linear(x, w, b), torch.ops.tformer.gemv_bf16(x, w, b))
+        for other in (torch.float16, torch.float64):
+            assert not kernels.uses_kernel(x.to(other), w.to(other), b.to(other))
+        assert not kernels.uses_kernel(x, w, b.float())  # one dtype for all three
+        assert not kernels.uses_kernel(x.float(), w, b)
         with kernels.enabled(False):
             assert not kernels.uses_kernel(x, w, b)
     w.requires_grad_(True)
@@ -335,7 +366,7 @@ CHILD = textwrap.dedent(
         warnings.simplefilter("always")
         ready = kernels.ready()
     g = torch.Generator().manual_seed(0)
-    within, within_int8, first = True, None, None
+    within, within_int8, within_f32, first = True, None, None, None
     for m, k, n in ((3, 100, 7), (1, 576, 9), (5, 40, 6)):  # (rows of x, K, N): a tail, the unrolled loop, 4 + 1 rows
         x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
         with torch.no_grad():
@@ -353,6 +384,12 @@ CHILD = textwrap.dedent(
             delta = (k + 2) * 2.0**-24 * (xd.abs() @ qd.abs().T) * sd
             ok = bool(((yq.double() - exact).abs() <= 2.0**-8 * (exact.abs() + delta) + delta).all())
             within_int8 = ok if within_int8 is None else within_int8 and ok
+            xf, wf = x.float(), w.float()  # the float32 form: a float32 sum's roundoff
+            yf = torch.ops.tformer.gemv_f32(xf, wf, None)
+            sf = xf.double() @ wf.double().T
+            bound = (k + 1) * 2.0**-24 * (xf.double().abs() @ wf.double().abs().T)
+            ok = bool(((yf.double() - sf).abs() <= bound).all())
+            within_f32 = ok if within_f32 is None else within_f32 and ok
     attention_within = None
     if ready:  # the attention kernel of the same build: float32, against float64, at most 2x PyTorch's error
         from tformer.attention import scaled_dot_product_attention
@@ -364,7 +401,8 @@ CHILD = textwrap.dedent(
         error = (kernels.attention(q, k, v, mask, False, None).double() - exact).abs().max()
         attention_within = bool(error <= 2 * (plain.double() - exact).abs().max() + 4 * 2.0**-24 * exact.abs().max())
     print(json.dumps({"ready": ready, "paths": kernels.paths(), "warnings": [str(c.message) for c in caught],
-                      "within": within, "within_int8": within_int8, "attention_within": attention_within,
+                      "within": within, "within_int8": within_int8, "within_f32": within_f32,
+                      "attention_within": attention_within,
                       "is_f_linear": bool(torch.equal(first[2], F.linear(first[0], first[1])))}))
     """
 )
@@ -394,10 +432,10 @@ def test_the_paths_without_avx512_build_and_are_within_the_same_bound(cflags):
     """Built without AVX-512 (so no dpbf16) the kernels take the AVX2 + FMA path where the CPU has it; without AVX2
     too, the portable C++ one. Each meets the bounds the native build's tests hold it to."""
     result = child(TFORMER_KERNEL_CFLAGS=cflags)
-    assert result["ready"] and result["within"] and result["within_int8"] and result["attention_within"]
-    assert not result["warnings"]
+    assert result["ready"] and result["within"] and result["within_int8"] and result["within_f32"]
+    assert result["attention_within"] and not result["warnings"]
     path = "avx2" if cflags == "-mno-avx512f" and _has_avx2_fma() else "portable"
-    assert result["paths"] == {"bf16": path, "int8": path}
+    assert result["paths"] == {"bf16": path, "int8": path, "f32": path}
 
 
 @pytest.mark.slow

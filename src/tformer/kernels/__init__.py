@@ -1,6 +1,6 @@
 """Hand-written kernels where PyTorch's own leave the hardware idle in a CPU decode step: matrix-vector products in
-bfloat16 (:func:`linear`) and with weight-only int8 (:func:`int8_linear`, for :func:`tformer.quantize`), and
-attention for a few query rows (:func:`attention`).
+bfloat16 and float32 (:func:`linear`) and with weight-only int8 (:func:`int8_linear`, for :func:`tformer.quantize`),
+and attention for a few query rows (:func:`attention`).
 
 Why. A decode step at batch 1 is a chain of matrix-vector products that reads every weight once per token, so its
 speed is bounded by memory bandwidth / weight bytes. On the CPU, torch 2.13's bfloat16 ``F.linear`` streams the
@@ -11,13 +11,17 @@ the bytes the fixed start-up of each call weighs twice as much (still 1.2-1.3x `
 Between the products, each layer attends one query row to its cache: PyTorch's CPU flash kernel spends ~40 us a
 call on set-up made for long queries (~90 us on bfloat16 through its float32 route), a sixth of a compiled SmolLM2
 step; ``attention.cpp`` does the same call in a few microseconds plus the arithmetic (BENCHMARKS.md "Attention kernel
-for CPU decoding"; ``benchmarks/decode_attention.py``).
+for CPU decoding"; ``benchmarks/decode_attention.py``). In float32, MKL's one-row GEMM depends on the CPU: on an
+Intel Xeon it streamed at about 90%, on an AMD EPYC (Zen 5) at 15-35% of the bandwidth, where ``gemv.cpp``'s float32
+form streams at 65-90% and costs 1.2-1.4x less per call at the demo model's cache-resident 64-256 KB matrices
+(BENCHMARKS.md "Matrix-vector kernels"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
 
-When. :func:`linear` runs the kernel for bfloat16 CPU inputs of at most :data:`MAX_ROWS` rows (``x`` flattened to
-``(M, I)``) when no gradient is asked for; everything else (training, float32, prefill, CUDA) goes to ``F.linear``.
-It computes what ``F.linear`` computes up to the order of the float32 additions: the same products (a bfloat16
-product is exact in float32), float32 sums, one rounding to bfloat16 after the bias. :func:`int8_linear` takes the
-same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``, float32 inside, one rounding.
+When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
+flattened to ``(M, I)``) when no gradient is asked for; everything else (training, prefill, float16 and float64,
+CUDA) goes to ``F.linear``. It computes what ``F.linear`` computes up to the order of the float32 additions: the
+same products (a bfloat16 product is exact in float32), float32 sums, in bfloat16 one rounding after the bias.
+:func:`int8_linear` takes the same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``,
+float32 inside, one rounding.
 :func:`attention` takes the attention calls of at most :data:`MAX_ROWS` query rows, float32 or bfloat16, with a
 boolean mask or none and no gradient (:func:`uses_attention_kernel`; ``tformer.attention``'s ``sdpa`` backend asks):
 float32 scores, softmax and weighted sum, one rounding.
@@ -97,6 +101,7 @@ def ready() -> bool:
         )
         torch.library.register_fake("tformer::gemv_bf16")(_gemv_shape)
         torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
+        torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
@@ -160,11 +165,11 @@ def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
 
 
 def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` would run the kernel on these arguments (the dtypes first: float32 layers pay one
-    test)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    """Whether :func:`linear` would run a kernel on these arguments: bfloat16 or float32, all of one dtype (the
+    dtypes first: float64 and float16 layers pay one test)."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype:
         return False
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu"):
+    if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):
         return False
     wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     return _decode_call(x, weight, wants_grad)
@@ -221,7 +226,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
     when :func:`uses_kernel` says so."""
     if uses_kernel(x, weight, bias):
-        y = torch.ops.tformer.gemv_bf16(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
+        op = torch.ops.tformer.gemv_bf16 if x.dtype == torch.bfloat16 else torch.ops.tformer.gemv_f32
+        y = op(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

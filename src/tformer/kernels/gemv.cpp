@@ -17,8 +17,14 @@
 // float scale per row, x bfloat16 or float32: one byte per weight read, converted to float32 in registers (AVX-512:
 // 16 codes an instruction; AVX2: 8).
 //
-// Built on first use by tformer/kernels/__init__.py (torch.utils.cpp_extension); the ops are tformer::gemv_bf16 and
-// tformer::gemv_int8.
+// And float32 (tformer.kernels.uses_f32_kernel: small matrices only, where F.linear's per-call set-up, not the bytes,
+// is the cost): 16 (AVX-512) or 8 (AVX2) lanes of FMA, several independent chains per row.
+//
+// A matrix smaller than 2 * kBytesPerThread runs on the calling thread: waking a second one costs about what it
+// saves there.
+//
+// Built on first use by tformer/kernels/__init__.py (torch.utils.cpp_extension); the ops are tformer::gemv_bf16,
+// tformer::gemv_int8 and tformer::gemv_f32.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +46,7 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TFORMER_AVX512_INT8 1
+#define TFORMER_AVX512_F32 1
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -48,6 +55,7 @@
 #endif
 #if !defined(TFORMER_AVX512_INT8)
 #define TFORMER_AVX2_INT8 1
+#define TFORMER_AVX2_F32 1
 #endif
 #endif
 
@@ -57,6 +65,14 @@ using bf16 = c10::BFloat16;
 constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one accumulator each)
 constexpr int64_t kPrefetchRows = 8;  // rows of W requested ahead of the one being read
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
+constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: below, waking a thread costs more
+
+// The grain of at::parallel_for over N rows of `row_bytes`: a matrix of fewer than 2 * kBytesPerThread bytes runs
+// on the calling thread (the demo model's 64-256 KB float32 matrices: a second thread woken for one of them costs
+// more than it saves, 5.5 against 3.6 us at 196 KB on an AMD EPYC).
+inline int64_t grain(int64_t row_bytes) {
+  return std::max<int64_t>(kGrain, (kBytesPerThread + row_bytes - 1) / std::max<int64_t>(row_bytes, 1));
+}
 
 // Software prefetch of row n + kPrefetchRows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
 // whole window at the block's start measured slower: it competes with the demand misses of the first rows).
@@ -95,7 +111,7 @@ void rows_avx512(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_
 }
 #endif
 
-#if defined(TFORMER_AVX2_BF16) || defined(TFORMER_AVX2_INT8)
+#if defined(TFORMER_AVX2_BF16) || defined(TFORMER_AVX2_INT8) || defined(TFORMER_AVX2_F32)
 inline float hsum8(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -242,7 +258,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::o
   xf.resize(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
 #endif
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain(K * 2), [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
       const bf16* xr = xp + r0 * K;
       const float* xfr = xf.empty() ? nullptr : xf.data() + r0 * K;
@@ -351,7 +367,7 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 template <typename Out>
 void int8_all_rows(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t M, int64_t K,
                    int64_t N) {
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
       const float* xr = xf + r0 * K;
       Out* yr = y + r0 * N;
@@ -404,6 +420,107 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// float32: out[r, n] = sum_k x[r, k] w[n, k] (+ b[n]) for R rows of x, in float32 (no rounding but the sums'). Where
+// this pays is small matrices: F.linear's one-row GEMM costs 6-14 us a call whatever the size below ~1 MB (MKL's
+// set-up), which at the demo model's 64-256 KB matrices is most of a decode step.
+template <int R>
+void rows_f32(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
+              int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 4, n0, n1, n);
+    float sum[R];
+#if defined(TFORMER_AVX512_F32)
+    // U independent FMA chains per row of x (the FMA's latency would otherwise cap the loop)
+    constexpr int U = R == 1 ? 4 : 2;
+    __m512 acc[R][U];
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 wv = _mm512_loadu_ps(wr + k + 16 * u);
+        for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * K + k + 16 * u), acc[r][u]);
+      }
+    }
+    for (; k < K; k += 16) {  // the rest, 16 at a time, the last masked (zeros past the end add nothing)
+      const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1u);
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, wr + k);
+      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + r * K + k), acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+      sum[r] = _mm512_reduce_add_ps(acc[r][0]);
+    }
+#elif defined(TFORMER_AVX2_F32)
+    constexpr int U = R == 1 ? 4 : 2;
+    __m256 acc[R][U];
+    for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+    }
+    const int64_t body = K - K % 8;
+    int64_t k = 0;
+    for (; k + 8 * U <= body; k += 8 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m256 wv = _mm256_loadu_ps(wr + k + 8 * u);
+        for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * u), acc[r][u]);
+      }
+    }
+    for (; k < body; k += 8) {
+      const __m256 wv = _mm256_loadu_ps(wr + k);
+      for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k), acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int u = 1; u < U; ++u) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][u]);
+      sum[r] = hsum8(acc[r][0]);
+      for (int64_t kk = body; kk < K; ++kk) sum[r] += wr[kk] * x[r * K + kk];
+    }
+#else
+    dot_portable<R>(x, wr, K, sum);
+#endif
+    const float b = bias ? bias[n] : 0.0f;
+    for (int r = 0; r < R; ++r) y[r * N + n] = sum[r] + b;
+  }
+}
+
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gemv_f32: need x (M, K) and weight (N, K); got ", x.sizes(),
+              " and ", weight.sizes());
+  TORCH_CHECK(x.size(1) == weight.size(1), "gemv_f32: x has ", x.size(1), " columns, weight ", weight.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "gemv_f32: need float32 x and weight; got ", x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv_f32: need CPU tensors");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kFloat && b.device().is_cpu(),
+                "gemv_f32: need a float32 CPU bias of ", N, " values; got ", b.scalar_type(), " ", b.sizes());
+  }
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = xc.const_data_ptr<float>();
+  const float* wp = wc.const_data_ptr<float>();
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  at::parallel_for(0, N, grain(K * 4), [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+      const float* xr = xp + r0 * K;
+      float* yr = yp + r0 * N;
+      switch (std::min<int64_t>(kRowsPerPass, M - r0)) {
+        case 1: rows_f32<1>(xr, wp, bp, yr, K, N, n0, n1); break;
+        case 2: rows_f32<2>(xr, wp, bp, yr, K, N, n0, n1); break;
+        case 3: rows_f32<3>(xr, wp, bp, yr, K, N, n0, n1); break;
+        default: rows_f32<4>(xr, wp, bp, yr, K, N, n0, n1); break;
+      }
+    }
+  });
+  return y;
+}
+
 // Which paths this build took, e.g. "bf16=avx512_bf16 int8=avx512"
 std::string gemv_paths() {
 #if defined(TFORMER_AVX512_BF16)
@@ -414,11 +531,18 @@ std::string gemv_paths() {
   std::string paths = "bf16=portable";
 #endif
 #if defined(TFORMER_AVX512_INT8)
-  return paths + " int8=avx512";
+  paths += " int8=avx512";
 #elif defined(TFORMER_AVX2_INT8)
-  return paths + " int8=avx2";
+  paths += " int8=avx2";
 #else
-  return paths + " int8=portable";
+  paths += " int8=portable";
+#endif
+#if defined(TFORMER_AVX512_F32)
+  return paths + " f32=avx512";
+#elif defined(TFORMER_AVX2_F32)
+  return paths + " f32=avx2";
+#else
+  return paths + " f32=portable";
 #endif
 }
 
@@ -427,10 +551,12 @@ std::string gemv_paths() {
 TORCH_LIBRARY(tformer, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("gemv_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_paths() -> str", &gemv_paths);
 }
 
 TORCH_LIBRARY_IMPL(tformer, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
   m.impl("gemv_int8", &gemv_int8);
+  m.impl("gemv_f32", &gemv_f32);
 }
