@@ -218,9 +218,11 @@ def test_compiled_graphs_call_the_kernel_without_breaks():
         assert torch.equal(attend(q, k, v, mask, False, None), kernels.attention(q, k, v, mask, False, None))
 
 
-# (B, H, Hkv, L, S, D, Dv): a SmolLM2 step (GQA 9/3), the demo model's, several query rows, odd sizes and tails
+# (B, H, Hkv, L, S, D, Dv): a SmolLM2 step (GQA 9/3), the demo model's, several query rows, odd sizes and tails, a
+# group of 12 query heads a key/value head (the kernel takes them 4 at a time)
 ATTENTION_SHAPES = [
     (1, 9, 3, 1, 320, 64, 64),
+    (2, 12, 1, 2, 40, 16, 24),
     (2, 4, 4, 1, 384, 32, 32),
     (1, 4, 2, 3, 17, 8, 8),
     (3, 2, 1, 4, 5, 33, 20),
@@ -257,6 +259,17 @@ def test_the_attention_kernel_errs_no_more_than_pytorchs_attention_against_float
     seen = exact.abs().amax()
     error, plain_error = (out.double() - exact).abs().max(), (torch.nan_to_num(plain).double() - exact).abs().max()
     assert error <= 2 * plain_error + 4 * U_F32 * seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_heads_sharing_a_mask_attend_as_each_head_alone(dtype):
+    """Heads of one key/value head that share a mask go through the kernel together (each value row read once for
+    the group); with a mask of their own, one by one. The per-head arithmetic is the same, in the same order: equal
+    bitwise."""
+    q, k, v, mask = attention_case((2, 12, 3, 2, 70, 64, 48), dtype, seed=3)
+    together = kernels.attention(q, k, v, mask, False, None)  # mask (B, 1, L, S): one mask for every head
+    one_by_one = kernels.attention(q, k, v, mask.expand(-1, 12, -1, -1).contiguous(), False, None)
+    assert torch.equal(together, one_by_one)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])

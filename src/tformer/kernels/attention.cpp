@@ -3,10 +3,12 @@
 // A decode step asks attention for one query row per head against the whole cache. That is little arithmetic
 // (H * S * (D + Dv) multiply-adds: ~0.4M for SmolLM2 at 320 keys), but PyTorch's CPU flash kernel spends ~40 us a
 // call on set-up and blocking made for long queries, and on bfloat16 inputs it is slower still; 30 layers of it
-// were a sixth of a compiled SmolLM2 token. Here one task is one (batch, head, query row):
+// were a sixth of a compiled SmolLM2 token. Here one task is one (batch, key/value head, query row) and the query
+// heads that read that key/value head (grouped-query attention; up to kMaxGroup at once, when they share a mask):
 //   1. s_j = (q . k_j) * scale for every key j the mask lets it see (float32 sums of exact float32 products);
 //   2. p_j = exp(s_j - max_j s_j), the max-subtracted softmax numerators (masked keys: exactly 0);
-//   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype.
+//   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype; each value row is
+//      read and widened once for all the task's heads (SmolLM2: 3 query heads a key/value head).
 // Keys after a row's last visible one are skipped (a static cache's unwritten columns). A row that may see no key
 // returns zeros (the library's convention). Grouped-query heads read key/value head
 // h / (H / Hkv). Tasks run on torch's OpenMP pool (at::parallel_for), inline when the problem is small.
@@ -31,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -92,25 +95,37 @@ inline __m512 exp16(__m512 x) {
 #endif
 
 #ifdef TFORMER_AVX512_ATTENTION
-constexpr int kBlock = 8;  // value columns summed at once: 8 vectors of 16 float32 accumulators
+constexpr int kBlock = 8;       // value columns summed at once for one head: 8 vectors of 16 float32 accumulators
+constexpr int kGroupBlock = 4;  // ... and for each of several heads sharing the values (at most 4 x 4 accumulators)
 
-// acc[0 .. width) = sum_j p[j] v[j, 0 .. width) for NV = ceil(width / 16) vectors: the sums stay in registers (a
-// masked store read back by the next key's load cannot be forwarded, and stalls).
-template <int NV, typename T>
-void weighted_sum(const float* p, const T* v, int64_t row_stride, int64_t keys, int64_t width, float* acc) {
-  __m512 sum[NV];
+// acc[g][0 .. width) = sum_j p[g][j] v[j, 0 .. width) for G heads that share the value rows (grouped-query
+// attention) and NV = ceil(width / 16) vectors: each value row is loaded and widened once for the G heads, and the
+// G * NV sums stay in registers (a masked store read back by the next key's load cannot be forwarded, and stalls).
+// A key whose weight is 0 for every head is skipped, so a masked key's value is never read.
+template <int G, int NV, typename T>
+void weighted_sum(const float* const* p, const T* v, int64_t row_stride, int64_t keys, int64_t width,
+                  float* const* acc) {
+  __m512 sum[G][NV];
   __mmask16 m[NV];
   for (int c = 0; c < NV; ++c) {
-    sum[c] = _mm512_setzero_ps();
     m[c] = lanes(width - 16 * c);
+    for (int g = 0; g < G; ++g) sum[g][c] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < keys; ++j) {
-    if (p[j] == 0.0f) continue;
-    const __m512 pj = _mm512_set1_ps(p[j]);
+    bool any = false;
+    for (int g = 0; g < G; ++g) any |= p[g][j] != 0.0f;
+    if (!any) continue;
     const T* vj = v + j * row_stride;
-    for (int c = 0; c < NV; ++c) sum[c] = _mm512_fmadd_ps(pj, load16(vj + 16 * c, m[c]), sum[c]);
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(vj + 16 * c, m[c]);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g][j]);
+      for (int c = 0; c < NV; ++c) sum[g][c] = _mm512_fmadd_ps(pj, vv[c], sum[g][c]);
+    }
   }
-  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc + 16 * c, m[c], sum[c]);
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc[g] + 16 * c, m[c], sum[g][c]);
+  }
 }
 
 // q . k over D values, float32 sums of exact products: bfloat16 pairs by dpbf16 where the CPU has it (no
@@ -177,7 +192,8 @@ constexpr int kLanes = 16;
 #include <immintrin.h>
 // The same loops on AVX2 + FMA: 8 float32 lanes, tails by maskload/maskstore (bfloat16 tails through a zeroed copy).
 constexpr int kLanes = 8;
-constexpr int kBlock = 8;  // value columns summed at once: 8 vectors of 8 float32 accumulators
+constexpr int kBlock = 8;       // value columns summed at once for one head: 8 vectors of 8 float32 accumulators
+constexpr int kGroupBlock = 2;  // ... and for each of several heads sharing the values (16 registers in all)
 
 inline __m256i lane_mask(int64_t count) {  // all-ones in the first min(count, 8) lanes
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
@@ -216,21 +232,32 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(er, _mm256_castsi256_ps(two_n));  // n >= -126: a normal 2^n
 }
 
-template <int NV, typename T>
-void weighted_sum(const float* p, const T* v, int64_t row_stride, int64_t keys, int64_t width, float* acc) {
-  __m256 sum[NV];
-  for (int c = 0; c < NV; ++c) sum[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < keys; ++j) {
-    if (p[j] == 0.0f) continue;
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const T* vj = v + j * row_stride;
-    for (int c = 0; c < NV; ++c) sum[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c, width - 8 * c), sum[c]);
+template <int G, int NV, typename T>
+void weighted_sum(const float* const* p, const T* v, int64_t row_stride, int64_t keys, int64_t width,
+                  float* const* acc) {
+  __m256 sum[G][NV];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NV; ++c) sum[g][c] = _mm256_setzero_ps();
   }
-  for (int c = 0; c < NV; ++c) {
-    if (width - 8 * c >= 8) {
-      _mm256_storeu_ps(acc + 8 * c, sum[c]);
-    } else {
-      _mm256_maskstore_ps(acc + 8 * c, lane_mask(width - 8 * c), sum[c]);
+  for (int64_t j = 0; j < keys; ++j) {
+    bool any = false;
+    for (int g = 0; g < G; ++g) any |= p[g][j] != 0.0f;
+    if (!any) continue;
+    const T* vj = v + j * row_stride;
+    __m256 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load8(vj + 8 * c, width - 8 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m256 pj = _mm256_set1_ps(p[g][j]);
+      for (int c = 0; c < NV; ++c) sum[g][c] = _mm256_fmadd_ps(pj, vv[c], sum[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NV; ++c) {
+      if (width - 8 * c >= 8) {
+        _mm256_storeu_ps(acc[g] + 8 * c, sum[g][c]);
+      } else {
+        _mm256_maskstore_ps(acc[g] + 8 * c, lane_mask(width - 8 * c), sum[g][c]);
+      }
     }
   }
 }
@@ -271,12 +298,15 @@ inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
 #define TFORMER_SIMD_ATTENTION 1
 #endif
 
+constexpr int kMaxGroup = 4;  // query heads that share one pass over their key/value head's values
+
+// Steps 1 and 2 for one (batch, head, query row): q (D,) against the rows of its key head k0 (keys, D), `k_stride`
+// elements apart, under the row's mask (every `mask_stride`-th bool; none: all keys). Leaves scores[j] = p_j, the
+// max-subtracted softmax numerators (masked keys: exactly 0), and returns their sum: at least 1 (the largest score's
+// numerator is exp(0)), or 0 when the row may see no key, or NaN when a score is NaN (then the scores are zeros too).
 template <typename T>
-// One (batch, head, query row): q (D,), the rows of its key/value head k0 (keys, D) and v0 (keys, Dv), `k_stride` and
-// `v_stride` elements apart, the row's mask (every `mask_stride`-th bool; none: all keys) -> out (Dv,).
-void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t v_stride, const bool* mask,
-                int64_t mask_stride, int64_t keys, int64_t D, int64_t Dv, float scale, float* scores, float* acc,
-                T* out) {
+float numerators_of(const T* q, const T* k0, int64_t k_stride, const bool* mask, int64_t mask_stride, int64_t keys,
+                    int64_t D, float scale, float* scores) {
   float qf[1024];  // D <= 1024 (checked by the op)
   for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -318,13 +348,9 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
   }
   bool nan = false;  // a NaN score (NaN or infinite inputs) makes the row NaN, as a softmax over it would be
   for (int64_t j = 0; j < keys; ++j) nan |= std::isnan(scores[j]);
-  if (nan) {
-    for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
-    return;
-  }
-  if (best == kMasked) {  // no visible key: zeros
-    for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(0.0f);
-    return;
+  if (nan || best == kMasked) {  // NaN, or no visible key: the caller writes the row; its weights add nothing
+    std::fill(scores, scores + keys, 0.0f);
+    return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   }
   float total = 0.0f;  // 2. numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select)
   int64_t j = 0;
@@ -336,33 +362,67 @@ void attend_one(const T* q, const T* k0, int64_t k_stride, const T* v0, int64_t 
     scores[j] = p;
     total += p;
   }
-  // 3. the weighted sum of the values, float32 accumulators in registers
+  return total;
+}
+
 #ifdef TFORMER_SIMD_ATTENTION
-  for (int64_t d0 = 0; d0 < Dv; d0 += kLanes * kBlock) {  // kBlock vectors of kLanes lanes at a time
-    const int64_t width = std::min<int64_t>(Dv - d0, kLanes * kBlock);
-    switch ((width + kLanes - 1) / kLanes) {
-      case 1: weighted_sum<1>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      case 2: weighted_sum<2>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      case 3: weighted_sum<3>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      case 4: weighted_sum<4>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      case 5: weighted_sum<5>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      case 6: weighted_sum<6>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      case 7: weighted_sum<7>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-      default: weighted_sum<8>(scores, v0 + d0, v_stride, keys, width, acc + d0); break;
-    }
+// Step 3 for G heads, NV vectors of value columns at a time (at most `Most`): weighted_sum<G, NV> for NV = ceil(width
+// / kLanes), chosen by recursion so that only NV <= Most is instantiated.
+template <int G, int NV, typename T>
+void weighted_sum_upto(int64_t nv, const float* const* p, const T* v, int64_t row_stride, int64_t keys, int64_t width,
+                       float* const* acc) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return weighted_sum_upto<G, NV - 1, T>(nv, p, v, row_stride, keys, width, acc);
+  }
+  weighted_sum<G, NV, T>(p, v, row_stride, keys, width, acc);
+}
+#endif
+
+// G query heads of one (batch, query row) that read the same key/value head under the same mask: q[g] (D,) ->
+// out[g] (Dv,). Steps 1 and 2 run per head; step 3 reads each value row once for all G (the weights in scores, a row
+// of `stride` floats per head; acc holds G rows of Dv).
+template <typename T, int G>
+void attend_group(const T* const* q, const T* k0, int64_t k_stride, const T* v0, int64_t v_stride, const bool* mask,
+                  int64_t mask_stride, int64_t keys, int64_t D, int64_t Dv, float scale, float* scores, int64_t stride,
+                  float* acc, T* const* out) {
+  float totals[G];
+  const float* p[G];
+  for (int g = 0; g < G; ++g) {
+    totals[g] = numerators_of<T>(q[g], k0, k_stride, mask, mask_stride, keys, D, scale, scores + g * stride);
+    p[g] = scores + g * stride;
+  }
+  // 3. the weighted sums of the values, float32 accumulators in registers
+#ifdef TFORMER_SIMD_ATTENTION
+  constexpr int kMost = G == 1 ? kBlock : kGroupBlock;
+  for (int64_t d0 = 0; d0 < Dv; d0 += kLanes * kMost) {
+    const int64_t width = std::min<int64_t>(Dv - d0, kLanes * kMost);
+    float* at[G];
+    for (int g = 0; g < G; ++g) at[g] = acc + g * Dv + d0;
+    weighted_sum_upto<G, kMost, T>((width + kLanes - 1) / kLanes, p, v0 + d0, v_stride, keys, width, at);
   }
 #else
-  for (int64_t d = 0; d < Dv; ++d) acc[d] = 0.0f;
-  for (j = 0; j < keys; ++j) {
-    const float p = scores[j];
-    if (p == 0.0f) continue;
+  for (int64_t i = 0; i < G * Dv; ++i) acc[i] = 0.0f;
+  for (int64_t j = 0; j < keys; ++j) {
     const T* vj = v0 + j * v_stride;
+    for (int g = 0; g < G; ++g) {
+      const float pj = p[g][j];
+      if (pj == 0.0f) continue;
+      float* a = acc + g * Dv;
 #pragma omp simd
-    for (int64_t d = 0; d < Dv; ++d) acc[d] += p * to_float(vj[d]);
+      for (int64_t d = 0; d < Dv; ++d) a[d] += pj * to_float(vj[d]);
+    }
   }
 #endif
-  const float inv = 1.0f / total;
-  for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(acc[d] * inv);
+  for (int g = 0; g < G; ++g) {
+    const float* a = acc + g * Dv;
+    if (!(totals[g] > 0.0f)) {  // NaN: a NaN row, as PyTorch's; 0: no visible key, zeros (the library's convention)
+      const float fill = std::isnan(totals[g]) ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+      for (int64_t d = 0; d < Dv; ++d) out[g][d] = static_cast<T>(fill);
+      continue;
+    }
+    const float inv = 1.0f / totals[g];
+    for (int64_t d = 0; d < Dv; ++d) out[g][d] = static_cast<T>(a[d] * inv);
+  }
 }
 
 // One past the row's last visible key (0: none), so the keys after it are never touched. In a static cache's mask
@@ -393,21 +453,39 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const bool* mp = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
   const int64_t ms0 = mp ? mask.stride(0) : 0, ms1 = mp ? mask.stride(1) : 0, ms2 = mp ? mask.stride(2) : 0;
   const int64_t ms3 = mp ? mask.stride(3) : 0;
-  const int64_t tasks = B * H * L;
-  const int64_t work = std::max<int64_t>(1, S * (D + Dv));
+  // A task is up to kMaxGroup heads of one key/value head at one (batch, query row), when the mask is the same for
+  // every head (a decode step's (B, 1, 1, S) mask, or none); with a mask per head, one head.
+  const int64_t chunk = (mp == nullptr || ms1 == 0) ? std::min<int64_t>(group, kMaxGroup) : 1;
+  const int64_t chunks = (group + chunk - 1) / chunk;
+  const int64_t tasks = B * Hkv * chunks * L;
+  const int64_t work = std::max<int64_t>(1, chunk * S * (D + Dv));
   const int64_t grain = std::max<int64_t>(1, 32768 / work);  // ~32k multiply-adds a thread at least: small runs inline
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(S), acc(Dv);
+    std::vector<float> scores(chunk * S), acc(chunk * Dv);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t l = t % L, h = (t / L) % H, b = t / (L * H), hk = h / group;
-      const bool* mrow = mp ? mp + b * ms0 + h * ms1 + l * ms2 : nullptr;
+      const int64_t l = t % L, c = (t / L) % chunks, hk = (t / (L * chunks)) % Hkv, b = t / (L * chunks * Hkv);
+      const int64_t h0 = hk * group + c * chunk, heads = std::min<int64_t>(chunk, group - c * chunk);
+      const bool* mrow = mp ? mp + b * ms0 + h0 * ms1 + l * ms2 : nullptr;
       const int64_t keys = visible_end(mrow, ms3, is_causal ? std::min<int64_t>(S, l + 1) : S);  // causal: top-left
       const T* krows = kp + b * k.stride(0) + hk * k.stride(1);
       const T* vrows = vp + b * v.stride(0) + hk * v.stride(1);
-      const T* qrow = qp + b * q.stride(0) + h * q.stride(1) + l * q.stride(2);
-      T* orow = op + ((b * H + h) * L + l) * Dv;
-      attend_one<T>(qrow, krows, k.stride(2), vrows, v.stride(2), mrow, ms3, keys, D, Dv, scale, scores.data(),
-                    acc.data(), orow);
+      const T* qrows[kMaxGroup];
+      T* orows[kMaxGroup];
+      for (int64_t g = 0; g < heads; ++g) {
+        qrows[g] = qp + b * q.stride(0) + (h0 + g) * q.stride(1) + l * q.stride(2);
+        orows[g] = op + ((b * H + h0 + g) * L + l) * Dv;
+      }
+      const auto attend = [&](auto heads_at_once) {
+        constexpr int G = decltype(heads_at_once)::value;
+        attend_group<T, G>(qrows, krows, k.stride(2), vrows, v.stride(2), mrow, ms3, keys, D, Dv, scale,
+                           scores.data(), S, acc.data(), orows);
+      };
+      switch (heads) {
+        case 1: attend(std::integral_constant<int, 1>{}); break;
+        case 2: attend(std::integral_constant<int, 2>{}); break;
+        case 3: attend(std::integral_constant<int, 3>{}); break;
+        default: attend(std::integral_constant<int, 4>{}); break;
+      }
     }
   });
 }
