@@ -11,7 +11,8 @@ same dtype, in one run, with the machine's memory bandwidth as the limit decodin
   prefill is not counted; best of ``--repeats`` interleaved runs. Both sides also must produce the same tokens
   (checked, float32).
 * **MiniLM embeddings**: 32 sentences of 128 tokens: ``tformer.embed`` vs ``transformers``' ``AutoModel`` with
-  sentence-transformers' mean pooling written out (sentence-transformers itself is not installed).
+  sentence-transformers' mean pooling written out (sentence-transformers itself is not installed), and tformer with
+  ``tformer.kernels`` off (its float32 GEMMs on ``F.linear``, i.e. MKL, instead of oneDNN).
 * **Load times**: ``load_pretrained`` (GGUF: first load, which dequantizes and caches, and a cached one) vs
   ``from_pretrained``.
 
@@ -97,7 +98,7 @@ def decode_rates(
     return rates
 
 
-def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, float, float]:
+def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, float, float, float]:
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
@@ -135,12 +136,17 @@ def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, floa
     def ours():
         return embed(minilm, texts)
 
+    def ours_f_linear():  # the same with tformer.kernels off: F.linear's (MKL's) GEMMs instead of oneDNN's
+        with kernels.enabled(False):
+            return embed(minilm, texts)
+
     error = (ours() - theirs()).abs().max().item()
-    t_ours, t_theirs = [], []
+    t_ours, t_theirs, t_plain = [], [], []
     for _ in range(repeats):
         t_ours.append(best(ours, 1))
         t_theirs.append(best(theirs, 1))
-    return 32 / min(t_ours), 32 / min(t_theirs), error
+        t_plain.append(best(ours_f_linear, 1))
+    return 32 / min(t_ours), 32 / min(t_theirs), error, 32 / min(t_plain)
 
 
 def load_times(gguf: Path, minilm_dir: Path) -> list[tuple[str, float, float]]:
@@ -239,11 +245,12 @@ def main() -> None:
 
     if not args.skip_embeddings:
         minilm = load_pretrained(minilm_dir)
-        ours, theirs, error = embedding_rates(minilm, minilm_dir, args.repeats)
+        ours, theirs, error, plain = embedding_rates(minilm, minilm_dir, args.repeats)
         print(f"\nMiniLM embeddings, 32 x 128 tokens, float32 (max |difference| {error:.1e}), best of {args.repeats}")
         print("| | sentences/s |\n|---|---:|")
         print(f"| tformer `embed` | {ours:.0f} |\n| transformers + mean pooling | {theirs:.0f} |")
-        print(f"| ratio | **{ours / theirs:.2f}x** |")
+        print(f"| tformer `embed`, `tformer.kernels` off (F.linear) | {plain:.0f} |")
+        print(f"| ratio | **{ours / theirs:.2f}x** (kernels off: {plain / theirs:.2f}x) |")
 
     if not args.skip_load:
         print("\nLoad times (s)\n| checkpoint | tformer | transformers |\n|---|---:|---:|")

@@ -164,6 +164,35 @@ def test_linear_routes_only_gradient_free_bfloat16_and_float32_cpu_calls_of_few_
         assert torch.equal(kernels.linear(many, w, b), F.linear(many, w, b))  # the fallback is F.linear itself
 
 
+def test_large_gradient_free_float32_gemms_go_to_onednn_within_a_float32_sums_roundoff():
+    """Rows past MAX_ROWS with at least ONEDNN_MIN_MACS multiply-adds: oneDNN's GEMM, which errs against float64 by
+    no more than a float32 sum of I products may, ``(I + 1) u32 (|x| |w|^T + |b|)``; smaller ones, gradients, other
+    dtypes, non-contiguous inputs or the kernels turned off: F.linear itself."""
+    if not kernels._onednn_available():
+        pytest.skip("this PyTorch has no oneDNN")
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(2, 64, 384, generator=g), torch.randn(1152, 384, generator=g), torch.randn(1152, generator=g)
+    assert x.numel() * w.shape[0] >= kernels.ONEDNN_MIN_MACS
+    with torch.no_grad():
+        assert kernels.uses_onednn(x, w, b) and kernels.uses_onednn(x, w)
+        y = kernels.linear(x, w, b)
+        xd, wd, bd = x.double(), w.double(), b.double()
+        exact = xd @ wd.T + bd
+        bound = 385 * U_F32 * (xd.abs() @ wd.abs().T + bd.abs())
+        assert y.shape == (2, 64, 1152) and y.dtype == torch.float32 and ((y.double() - exact).abs() <= bound).all()
+        small = x[0, : kernels.ONEDNN_MIN_MACS // (384 * 1152)]  # contiguous, more than MAX_ROWS, below the threshold
+        assert small.is_contiguous() and small.shape[0] > kernels.MAX_ROWS
+        assert not kernels.uses_onednn(small, w, b) and torch.equal(kernels.linear(small, w, b), F.linear(small, w, b))
+        assert not kernels.uses_onednn(x[:, :1], w, b)  # a decode step: the matrix-vector kernel
+        assert not kernels.uses_onednn(x.transpose(0, 1), w, b)
+        assert not kernels.uses_onednn(x.double(), w.double(), b.double())
+        with kernels.enabled(False):
+            assert not kernels.uses_onednn(x, w, b)
+    w.requires_grad_(True)
+    assert not kernels.uses_onednn(x, w, b)  # training: autograd needs F.linear
+    assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+
+
 def test_the_layer_keeps_nn_linear_parameters_and_gradients():
     torch.manual_seed(0)
     layer, plain = Linear(24, 10).bfloat16(), torch.nn.Linear(24, 10).bfloat16()

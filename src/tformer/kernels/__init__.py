@@ -17,8 +17,11 @@ form streams at 65-90% and costs 1.2-1.4x less per call at the demo model's cach
 (BENCHMARKS.md "Matrix-vector kernels"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
 
 When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
-flattened to ``(M, I)``) when no gradient is asked for; everything else (training, prefill, float16 and float64,
-CUDA) goes to ``F.linear``. It computes what ``F.linear`` computes up to the order of the float32 additions: the
+flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more rows (prefill, an encoder's forward,
+evaluation) go to oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when
+they are gradient-free and of at least :data:`ONEDNN_MIN_MACS` multiply-adds (:func:`uses_onednn`): F.linear's
+float32 GEMM is MKL's, which on an AMD EPYC (Zen 5) ran at 90-180 GFLOP/s where oneDNN ran at 160-420 (MiniLM's
+embeddings 1.7-1.8x faster). Everything else (training, float16 and float64, CUDA) goes to ``F.linear``. It computes what ``F.linear`` computes up to the order of the float32 additions: the
 same products (a bfloat16 product is exact in float32), float32 sums, in bfloat16 one rounding after the bias.
 :func:`int8_linear` takes the same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``,
 float32 inside, one rounding.
@@ -30,8 +33,8 @@ Build. The C++ files are compiled for this CPU (``-march=native``) on first use,
 (about 20 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``) under a name that hashes the source, the flags, torch's version and the
 CPU's feature flags. When it cannot be built, one warning says why and :func:`linear` uses ``F.linear``: correct,
-slower. ``TFORMER_KERNELS=0`` turns the kernel off (nothing is built); :func:`enabled` does so in code (the
-benchmarks' A/B runs).
+slower. ``TFORMER_KERNELS=0`` turns the kernels and the oneDNN route off (nothing is built); :func:`enabled` does
+so in code (the benchmarks' A/B runs).
 
 Shapes: M, I, O; B, H, Hkv, L, S, D, Dv (the package legend, :mod:`tformer`).
 """
@@ -55,6 +58,11 @@ MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp"))
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
 _ON = [os.environ.get("TFORMER_KERNELS", "1") != "0"]
+_ONEDNN: list[bool | None] = [None]  # PyTorch's oneDNN linear op: None = not looked up yet
+# Below this many multiply-adds a float32 GEMM stays on F.linear: oneDNN's call (its primitive and a reorder of the
+# weight, ~35-45 us) costs more than it saves (AMD EPYC Zen 5: 0.3-0.7x F.linear at 256 x 128 below 2^22, 1.2-1.4x
+# at 2-4M, 1.5-2.4x from 8M; BENCHMARKS.md "oneDNN for float32 GEMMs").
+ONEDNN_MIN_MACS = 1 << 22
 
 
 def _cpu_flags() -> str:
@@ -222,18 +230,45 @@ def attention(
     return torch.ops.tformer.decode_attention(query, key, value, attn_mask, is_causal, scale)
 
 
+def _onednn_available() -> bool:
+    if _ONEDNN[0] is None:
+        _ONEDNN[0] = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return _ONEDNN[0]
+
+
+def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` would run oneDNN's float32 GEMM on these arguments: turned on (:func:`enabled`),
+    float32 CPU tensors, contiguous, more than :data:`MAX_ROWS` rows of ``x`` (fewer: the matrix-vector kernel) and
+    at least :data:`ONEDNN_MIN_MACS` multiply-adds, no gradient asked for, and PyTorch built with oneDNN."""
+    if not _ON[0] or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 2 or weight.dim() != 2:
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() <= MAX_ROWS * x.shape[-1]:
+        return False
+    if x.numel() * weight.shape[0] < ONEDNN_MIN_MACS:  # M * I * O multiply-adds
+        return False
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1):
+        return False
+    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return not (torch.is_grad_enabled() and wants_grad) and _onednn_available()
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
-    when :func:`uses_kernel` says so."""
+    when :func:`uses_kernel` says so, through oneDNN when :func:`uses_onednn` does."""
     if uses_kernel(x, weight, bias):
         op = torch.ops.tformer.gemv_bf16 if x.dtype == torch.bfloat16 else torch.ops.tformer.gemv_f32
         y = op(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
         return y.view(*x.shape[:-1], weight.shape[0])
+    if uses_onednn(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # no fused activation
     return F.linear(x, weight, bias)
 
 
 __all__ = [
     "MAX_ROWS",
+    "ONEDNN_MIN_MACS",
     "attention",
     "build_error",
     "enabled",
@@ -244,4 +279,5 @@ __all__ = [
     "uses_attention_kernel",
     "uses_int8_kernel",
     "uses_kernel",
+    "uses_onednn",
 ]
