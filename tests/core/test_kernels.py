@@ -193,6 +193,24 @@ def test_large_gradient_free_float32_gemms_go_to_onednn_within_a_float32_sums_ro
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
 
 
+def test_a_compiled_graph_keeps_f_linear_where_eager_calls_onednn():
+    """Inductor lowers oneDNN's linear only with the weight frozen into the graph (it fails on a weight passed in):
+    a traced call takes F.linear, which inductor compiles with its own choice of GEMM."""
+    x, w = torch.randn(64, 256), torch.randn(512, 256)
+    targets = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert kernels.uses_onednn(x, w) or not kernels._onednn_available()
+        y = torch.compile(kernels.linear, backend=record, fullgraph=True)(x, w)
+    assert F.linear in targets and not any("mkldnn" in str(target) for target in targets)
+    assert torch.equal(y, F.linear(x, w))
+
+
 def test_the_layer_keeps_nn_linear_parameters_and_gradients():
     torch.manual_seed(0)
     layer, plain = Linear(24, 10).bfloat16(), torch.nn.Linear(24, 10).bfloat16()

@@ -19,9 +19,10 @@ form streams at 65-90% and costs 1.2-1.4x less per call at the demo model's cach
 When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
 flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more rows (prefill, an encoder's forward,
 evaluation) go to oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when
-they are gradient-free and of at least :data:`ONEDNN_MIN_MACS` multiply-adds (:func:`uses_onednn`): F.linear's
-float32 GEMM is MKL's, which on an AMD EPYC (Zen 5) ran at 90-180 GFLOP/s where oneDNN ran at 160-420 (MiniLM's
-embeddings 1.7-1.8x faster). Everything else (training, float16 and float64, CUDA) goes to ``F.linear``. It computes what ``F.linear`` computes up to the order of the float32 additions: the
+they are gradient-free, outside a graph being compiled, and of at least :data:`ONEDNN_MIN_MACS` multiply-adds
+(:func:`uses_onednn`): F.linear's float32 GEMM is MKL's, which on an AMD EPYC (Zen 5) ran at 90-180 GFLOP/s where
+oneDNN ran at 160-420 (MiniLM's embeddings 1.7-1.8x faster). Everything else (training, float16 and float64, CUDA)
+goes to ``F.linear``. The kernel computes what ``F.linear`` computes up to the order of the float32 additions: the
 same products (a bfloat16 product is exact in float32), float32 sums, in bfloat16 one rounding after the bias.
 :func:`int8_linear` takes the same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``,
 float32 inside, one rounding.
@@ -239,7 +240,8 @@ def _onednn_available() -> bool:
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :func:`linear` would run oneDNN's float32 GEMM on these arguments: turned on (:func:`enabled`),
     float32 CPU tensors, contiguous, more than :data:`MAX_ROWS` rows of ``x`` (fewer: the matrix-vector kernel) and
-    at least :data:`ONEDNN_MIN_MACS` multiply-adds, no gradient asked for, and PyTorch built with oneDNN."""
+    at least :data:`ONEDNN_MIN_MACS` multiply-adds, no gradient asked for, not inside a graph ``torch.compile`` is
+    tracing, and PyTorch built with oneDNN."""
     if not _ON[0] or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 2 or weight.dim() != 2:
         return False
     if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() <= MAX_ROWS * x.shape[-1]:
@@ -251,7 +253,11 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1):
         return False
     wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    return not (torch.is_grad_enabled() and wants_grad) and _onednn_available()
+    if torch.is_grad_enabled() and wants_grad:
+        return False
+    # A graph being compiled keeps F.linear: inductor lowers this op only with the weight frozen into the graph, and
+    # picks its own GEMM for F.linear.
+    return not torch.compiler.is_compiling() and _onednn_available()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
