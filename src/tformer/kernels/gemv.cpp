@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -72,6 +73,49 @@ constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: b
 // more than it saves, 5.5 against 3.6 us at 196 KB on an AMD EPYC).
 inline int64_t grain(int64_t row_bytes) {
   return std::max<int64_t>(kGrain, (kBytesPerThread + row_bytes - 1) / std::max<int64_t>(row_bytes, 1));
+}
+
+// The N rows of W split over torch's threads, each block of rows [n0, n1) read once per pass of up to kRowsPerPass
+// rows of x: body(n0, n1, r0, std::integral_constant<int, R>{}) for the R rows of x from r0.
+template <typename Body>
+void over_rows(int64_t M, int64_t N, int64_t row_bytes, const Body& body) {
+  at::parallel_for(0, N, grain(row_bytes), [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+      switch (std::min<int64_t>(kRowsPerPass, M - r0)) {
+        case 1: body(n0, n1, r0, std::integral_constant<int, 1>{}); break;
+        case 2: body(n0, n1, r0, std::integral_constant<int, 2>{}); break;
+        case 3: body(n0, n1, r0, std::integral_constant<int, 3>{}); break;
+        default: body(n0, n1, r0, std::integral_constant<int, 4>{}); break;
+      }
+    }
+  });
+}
+
+// What gemv_bf16 and gemv_f32 share: the checks (x (M, K) and weight (N, K) of `dtype` on the CPU, an optional bias
+// of N values of it), the output y (M, N), and body(x, w, b or nullptr, y, M, K, N) on contiguous data of type T.
+template <typename T, typename Body>
+at::Tensor linear_op(const char* op, const char* dtype_name, at::ScalarType dtype, const at::Tensor& x,
+                     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const Body& body) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, op, ": need x (M, K) and weight (N, K); got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(x.size(1) == weight.size(1), op, ": x has ", x.size(1), " columns, weight ", weight.size(1));
+  TORCH_CHECK(x.scalar_type() == dtype && weight.scalar_type() == dtype, op, ": need ", dtype_name,
+              " x and weight; got ", x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": need CPU tensors");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype && bias->device().is_cpu(),
+                op, ": need a ", dtype_name, " CPU bias of ", N, " values; got ", bias->scalar_type(), " ",
+                bias->sizes());
+    b = bias->contiguous();
+  }
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  body(xc.const_data_ptr<T>(), wc.const_data_ptr<T>(), b.defined() ? b.const_data_ptr<T>() : nullptr,
+       y.mutable_data_ptr<T>(), M, K, N);
+  return y;
 }
 
 // Software prefetch of row n + kPrefetchRows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
@@ -231,52 +275,53 @@ void pass(const bf16* x, const float* xf, const bf16* w, const bf16* bias, bf16*
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gemv_bf16: need x (M, K) and weight (N, K); got ", x.sizes(),
-              " and ", weight.sizes());
-  TORCH_CHECK(x.size(1) == weight.size(1), "gemv_bf16: x has ", x.size(1), " columns, weight ", weight.size(1));
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "gemv_bf16: need bfloat16 x and weight; got ", x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv_bf16: need CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kBFloat16 && b.device().is_cpu(),
-                "gemv_bf16: need a bfloat16 CPU bias of ", N, " values; got ", b.scalar_type(), " ", b.sizes());
-  }
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  const bf16* xp = xc.const_data_ptr<bf16>();
-  const bf16* wp = wc.const_data_ptr<bf16>();
-  const bf16* bp = b.defined() ? b.const_data_ptr<bf16>() : nullptr;
-  bf16* yp = y.mutable_data_ptr<bf16>();
-  std::vector<float> xf;  // x in float32 for the paths without bfloat16 arithmetic
+  const auto body = [](const bf16* xp, const bf16* wp, const bf16* bp, bf16* yp, int64_t M, int64_t K, int64_t N) {
+    std::vector<float> xf;  // x in float32 for the paths without bfloat16 arithmetic
 #if defined(TFORMER_AVX2_BF16)
-  xf = split_even_odd(xp, M, K);
+    xf = split_even_odd(xp, M, K);
 #elif !defined(TFORMER_AVX512_BF16)
-  xf.resize(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+    xf.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
 #endif
-  at::parallel_for(0, N, grain(K * 2), [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-      const bf16* xr = xp + r0 * K;
+    over_rows(M, N, K * 2, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
       const float* xfr = xf.empty() ? nullptr : xf.data() + r0 * K;
-      bf16* yr = yp + r0 * N;
-      switch (std::min<int64_t>(kRowsPerPass, M - r0)) {
-        case 1: pass<1>(xr, xfr, wp, bp, yr, K, N, n0, n1); break;
-        case 2: pass<2>(xr, xfr, wp, bp, yr, K, N, n0, n1); break;
-        case 3: pass<3>(xr, xfr, wp, bp, yr, K, N, n0, n1); break;
-        default: pass<4>(xr, xfr, wp, bp, yr, K, N, n0, n1); break;
-      }
-    }
-  });
-  return y;
+      pass<decltype(rows)::value>(xp + r0 * K, xfr, wp, bp, yp + r0 * N, K, N, n0, n1);
+    });
+  };
+  return linear_op<bf16>("gemv_bf16", "bfloat16", at::kBFloat16, x, weight, bias, body);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 #ifdef TFORMER_AVX512_INT8
 inline __m512 widen(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }  // 16 int8 -> float32
+
+// sum[r] = sum_k x[r, k] w[k] for R rows of x (float32, K each) and one row of K weights that load(k, mask) reads
+// 16 at a time as float32 (float32 weights, or int8 codes widened; lanes outside the mask zero). U independent FMA
+// chains per row of x: one FMA per 16 weights would otherwise wait on the FMA's latency, below the loads' rate.
+template <int R, typename Load>
+inline void dot16(const float* x, int64_t K, const Load& load, float* sum) {
+  constexpr int U = R == 1 ? 4 : 2;
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = load(k + 16 * u, static_cast<__mmask16>(0xFFFF));
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * K + k + 16 * u), acc[r][u]);
+    }
+  }
+  for (; k < K; k += 16) {  // the rest, 16 at a time, the last masked (zeros past the end add nothing)
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1u);
+    const __m512 wv = load(k, mask);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + r * K + k), acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+    sum[r] = _mm512_reduce_add_ps(acc[r][0]);
+  }
+}
 #endif
 #ifdef TFORMER_AVX2_INT8
 inline __m256 widen8(const int8_t* codes) {  // 8 int8 -> float32
@@ -303,33 +348,7 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
     float sum[R];
     prefetch_ahead(reinterpret_cast<const char*>(q + n0 * K), K, n0, n1, n);
 #ifdef TFORMER_AVX512_INT8
-    // U independent accumulators per row of x: widening and one FMA per 16 bytes would otherwise wait on the
-    // FMA's latency, below the bandwidth the loads could have.
-    constexpr int U = R == 1 ? 4 : 2;
-    __m512 acc[R][U];
-    for (int r = 0; r < R; ++r) {
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 16 * U <= K; k += 16 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512 qv = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k + 16 * u)));
-        for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(xf + r * K + k + 16 * u), acc[r][u]);
-      }
-    }
-    for (; k + 16 <= K; k += 16) {
-      const __m512 qv = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k)));
-      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(xf + r * K + k), acc[r][0]);
-    }
-    if (k < K) {  // zeros past the end contribute nothing
-      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-      const __m512 qv = widen(_mm_maskz_loadu_epi8(mask, qr + k));
-      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(mask, xf + r * K + k), acc[r][0]);
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
-      sum[r] = _mm512_reduce_add_ps(acc[r][0]);
-    }
+    dot16<R>(xf, K, [qr](int64_t k, __mmask16 m) { return widen(_mm_maskz_loadu_epi8(m, qr + k)); }, sum);
 #elif defined(TFORMER_AVX2_INT8)
     // 16 codes a block, widened 8 at a time; four independent FMA chains at one row of x, two above
     constexpr int U = R == 1 ? 2 : 1;
@@ -367,17 +386,8 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 template <typename Out>
 void int8_all_rows(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t M, int64_t K,
                    int64_t N) {
-  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-      const float* xr = xf + r0 * K;
-      Out* yr = y + r0 * N;
-      switch (std::min<int64_t>(kRowsPerPass, M - r0)) {
-        case 1: rows_int8<1, Out>(xr, q, scale, bias, yr, K, N, n0, n1); break;
-        case 2: rows_int8<2, Out>(xr, q, scale, bias, yr, K, N, n0, n1); break;
-        case 3: rows_int8<3, Out>(xr, q, scale, bias, yr, K, N, n0, n1); break;
-        default: rows_int8<4, Out>(xr, q, scale, bias, yr, K, N, n0, n1); break;
-      }
-    }
+  over_rows(M, N, K, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
+    rows_int8<decltype(rows)::value, Out>(xf + r0 * K, q, scale, bias, y + r0 * N, K, N, n0, n1);
   });
 }
 
@@ -432,28 +442,7 @@ void rows_f32(const float* x, const float* w, const float* bias, float* y, int64
     prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 4, n0, n1, n);
     float sum[R];
 #if defined(TFORMER_AVX512_F32)
-    // U independent FMA chains per row of x (the FMA's latency would otherwise cap the loop)
-    constexpr int U = R == 1 ? 4 : 2;
-    __m512 acc[R][U];
-    for (int r = 0; r < R; ++r) {
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 16 * U <= K; k += 16 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512 wv = _mm512_loadu_ps(wr + k + 16 * u);
-        for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * K + k + 16 * u), acc[r][u]);
-      }
-    }
-    for (; k < K; k += 16) {  // the rest, 16 at a time, the last masked (zeros past the end add nothing)
-      const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1u);
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, wr + k);
-      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + r * K + k), acc[r][0]);
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
-      sum[r] = _mm512_reduce_add_ps(acc[r][0]);
-    }
+    dot16<R>(x, K, [wr](int64_t k, __mmask16 m) { return _mm512_maskz_loadu_ps(m, wr + k); }, sum);
 #elif defined(TFORMER_AVX2_F32)
     constexpr int U = R == 1 ? 4 : 2;
     __m256 acc[R][U];
@@ -486,39 +475,12 @@ void rows_f32(const float* x, const float* w, const float* bias, float* y, int64
 }
 
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gemv_f32: need x (M, K) and weight (N, K); got ", x.sizes(),
-              " and ", weight.sizes());
-  TORCH_CHECK(x.size(1) == weight.size(1), "gemv_f32: x has ", x.size(1), " columns, weight ", weight.size(1));
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "gemv_f32: need float32 x and weight; got ", x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv_f32: need CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == at::kFloat && b.device().is_cpu(),
-                "gemv_f32: need a float32 CPU bias of ", N, " values; got ", b.scalar_type(), " ", b.sizes());
-  }
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = xc.const_data_ptr<float>();
-  const float* wp = wc.const_data_ptr<float>();
-  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
-  float* yp = y.mutable_data_ptr<float>();
-  at::parallel_for(0, N, grain(K * 4), [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-      const float* xr = xp + r0 * K;
-      float* yr = yp + r0 * N;
-      switch (std::min<int64_t>(kRowsPerPass, M - r0)) {
-        case 1: rows_f32<1>(xr, wp, bp, yr, K, N, n0, n1); break;
-        case 2: rows_f32<2>(xr, wp, bp, yr, K, N, n0, n1); break;
-        case 3: rows_f32<3>(xr, wp, bp, yr, K, N, n0, n1); break;
-        default: rows_f32<4>(xr, wp, bp, yr, K, N, n0, n1); break;
-      }
-    }
-  });
-  return y;
+  const auto body = [](const float* xp, const float* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N) {
+    over_rows(M, N, K * 4, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
+      rows_f32<decltype(rows)::value>(xp + r0 * K, wp, bp, yp + r0 * N, K, N, n0, n1);
+    });
+  };
+  return linear_op<float>("gemv_f32", "float32", at::kFloat, x, weight, bias, body);
 }
 
 // Which paths this build took, e.g. "bf16=avx512_bf16 int8=avx512"
