@@ -13,8 +13,8 @@ call on set-up made for long queries (~90 us on bfloat16 through its float32 rou
 step; ``attention.cpp`` does the same call in a few microseconds plus the arithmetic (BENCHMARKS.md "Attention kernel
 for CPU decoding"; ``benchmarks/decode_attention.py``). In float32, MKL's one-row GEMM depends on the CPU: on an
 Intel Xeon it streamed at about 90%, on an AMD EPYC (Zen 5) at 15-35% of the bandwidth, where ``gemv.cpp``'s float32
-form streams at 65-90% and costs 1.2-1.4x less per call at the demo model's cache-resident 64-256 KB matrices
-(BENCHMARKS.md "Matrix-vector kernels"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
+form streams at 77-90% at 1-4 rows and costs 1.2-1.4x less per call at the demo model's cache-resident 64-256 KB
+matrices (BENCHMARKS.md "On AMD EPYC (Zen 5)"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
 
 When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
 flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more rows (prefill, an encoder's forward,
@@ -62,7 +62,7 @@ _ON = [os.environ.get("TFORMER_KERNELS", "1") != "0"]
 _ONEDNN: list[bool | None] = [None]  # PyTorch's oneDNN linear op: None = not looked up yet
 # Below this many multiply-adds a float32 GEMM stays on F.linear: oneDNN's call (its primitive and a reorder of the
 # weight, ~35-45 us) costs more than it saves (AMD EPYC Zen 5: 0.3-0.7x F.linear at 256 x 128 below 2^22, 1.2-1.4x
-# at 2-4M, 1.5-2.4x from 8M; BENCHMARKS.md "oneDNN for float32 GEMMs").
+# at 2-4M, 1.5-2.4x from 8M; BENCHMARKS.md "oneDNN for float32 GEMMs of more rows").
 ONEDNN_MIN_MACS = 1 << 22
 
 
@@ -154,7 +154,8 @@ def paths() -> dict[str, str] | None:
 
 @contextlib.contextmanager
 def enabled(on: bool) -> Iterator[None]:
-    """Turn the kernel on or off inside a ``with`` block (for A/B measurements); compiled graphs guard on it."""
+    """Turn the kernels and the oneDNN route on or off inside a ``with`` block (for A/B measurements); compiled
+    graphs guard on it."""
     before = _ON[0]
     _ON[0] = on
     try:
@@ -173,6 +174,11 @@ def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
     return not (torch.is_grad_enabled() and wants_grad) and ready()
 
 
+def _asks_grad(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether a gradient would flow to any of a linear call's tensors (if autograd is on)."""
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+
+
 def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :func:`linear` would run a kernel on these arguments: bfloat16 or float32, all of one dtype (the
     dtypes first: float64 and float16 layers pay one test)."""
@@ -180,8 +186,7 @@ def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):
         return False
-    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    return _decode_call(x, weight, wants_grad)
+    return _decode_call(x, weight, _asks_grad(x, weight, bias))
 
 
 def uses_int8_kernel(x: Tensor, codes: Tensor) -> bool:
@@ -252,8 +257,7 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1):
         return False
-    wants_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and wants_grad:
+    if torch.is_grad_enabled() and _asks_grad(x, weight, bias):
         return False
     # A graph being compiled keeps F.linear: inductor lowers this op only with the weight frozen into the graph, and
     # picks its own GEMM for F.linear.

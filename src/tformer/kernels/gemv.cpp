@@ -17,8 +17,9 @@
 // float scale per row, x bfloat16 or float32: one byte per weight read, converted to float32 in registers (AVX-512:
 // 16 codes an instruction; AVX2: 8).
 //
-// And float32 (tformer.kernels.uses_f32_kernel: small matrices only, where F.linear's per-call set-up, not the bytes,
-// is the cost): 16 (AVX-512) or 8 (AVX2) lanes of FMA, several independent chains per row.
+// And float32 (tformer.kernels.uses_kernel: decode steps, where F.linear's float32 GEMM is MKL's, which on some CPUs
+// streams a single row at a third of the bandwidth): 16 (AVX-512) or 8 (AVX2) lanes of FMA, several independent
+// chains per row.
 //
 // A matrix smaller than 2 * kBytesPerThread runs on the calling thread: waking a second one costs about what it
 // saves there.
@@ -47,7 +48,7 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TFORMER_AVX512_INT8 1
-#define TFORMER_AVX512_F32 1
+#define TFORMER_AVX512_F32 1  // the float32 rows share the int8 rows' loop (dot16): FMAs on float32 lanes
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -431,9 +432,9 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// float32: out[r, n] = sum_k x[r, k] w[n, k] (+ b[n]) for R rows of x, in float32 (no rounding but the sums'). Where
-// this pays is small matrices: F.linear's one-row GEMM costs 6-14 us a call whatever the size below ~1 MB (MKL's
-// set-up), which at the demo model's 64-256 KB matrices is most of a decode step.
+// float32: out[r, n] = sum_k x[r, k] w[n, k] (+ b[n]) for R rows of x, in float32 (no rounding but the sums'). On an
+// AMD EPYC (Zen 5) MKL's one-row GEMM streamed SmolLM2's matrices at 7-16 GB/s, this loop at 19-44; at the demo
+// model's cache-resident 64-256 KB matrices it costs 1.2-1.4x less per call.
 template <int R>
 void rows_f32(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
               int64_t n1) {
