@@ -1,10 +1,11 @@
 """Helpers the benchmarks share: the CPU's name, best-of timing, the machine's read bandwidth, the bytes a decode step
-reads, and the installed model packages' folders."""
+reads, shares of the bandwidth bound, and the installed model packages' folders."""
 
 from __future__ import annotations
 
 import importlib.util
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -43,6 +44,16 @@ def bandwidth(repeats: int = 5) -> float:
     x = torch.ones(256 * 1024 * 1024)
     x.sum()
     return x.numel() * 4 / best(x.sum, repeats)
+
+
+def paired_shares(rounds: list[tuple[float, float]], bytes_per_token: int) -> tuple[float, float, float]:
+    """Shares of the bandwidth bound, each round's decode rate against the bandwidth read next to it (the higher of
+    the readings just before and just after its run): ``rate / (bandwidth / bytes_per_token)`` per round, as
+    (median, lowest, highest). The host's bandwidth drifts within a run; pairing a rate with the reading taken at
+    its time measures the decoder, where the highest reading of the run against the best rate measures the host's
+    best moment too."""
+    shares = sorted(rate * bytes_per_token / bw for rate, bw in rounds)
+    return statistics.median(shares), shares[0], shares[-1]
 
 
 def bytes_per_token(model: torch.nn.Module) -> int:

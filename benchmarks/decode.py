@@ -1,8 +1,9 @@
 """Decoding against the memory-bandwidth bound: eager and compiled, float32, bfloat16 and int8 weights, in one run.
 
-* The machine's read bandwidth (a ``sum`` over 1 GiB, before the SmolLM2 runs and after each round of them: the
-  bound takes the highest reading, since the host's bandwidth drifts) and, per setting, the bound
-  ``bandwidth / bytes per token``.
+* The machine's read bandwidth (a ``sum`` over 1 GiB, before the SmolLM2 runs and after each setting's run in each
+  round) and, per setting, the bound ``bandwidth / bytes per token``. The host's bandwidth drifts, so two shares
+  of the bound: the best rate against the highest reading of the run (conservative: the host's best moment), and
+  the paired share, each round's rate against the reading taken next to it (median and range over the rounds).
 * SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16
   on PyTorch's ``F.linear`` and attention (``tformer.kernels`` off) and on tformer's decode kernels, compiled
   bfloat16, eager and compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and bfloat16.
@@ -30,7 +31,7 @@ import time
 from functools import partial
 
 import torch
-from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir
+from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir, paired_shares
 
 from tformer import DecoderLM, TransformerConfig, generate, kernels, load_pretrained, quantize
 from tformer.generation import static
@@ -117,32 +118,41 @@ def main() -> None:
                 first_call(run, 1)
             weights[name] = bytes_per_token(model)
             times[name] = [float("inf"), float("inf")]
+        paired = {name: [] for name in rows}  # per round: (decode rate, bandwidth read next to it)
         for _ in range(args.repeats):  # the settings take turns, so a drift of the host's bandwidth hits them all
             for name, (run, _, on) in rows.items():
                 with kernels.enabled(on):
-                    times[name][0] = min(times[name][0], best(lambda run=run: run(new), 1))
-                    times[name][1] = min(times[name][1], best(lambda run=run: run(1), 1))
-            readings.append(bandwidth())
+                    t_new, t_one = best(lambda run=run: run(new), 1), best(lambda run=run: run(1), 1)
+                times[name] = [min(times[name][0], t_new), min(times[name][1], t_one)]
+                readings.append(bandwidth(3))
+                paired[name].append(((new - 1) / (t_new - t_one), max(readings[-2:])))
             print(f"  round done; read bandwidth {readings[-1] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
         rates = {name: (new - 1) / (t_new - t_one) for name, (t_new, t_one) in times.items()}
         del hf32, hf16
         bw = max(readings)  # the host's bandwidth drifts: the bound takes the highest reading
         print(
-            "read bandwidth before and after each round: "
-            + ", ".join(f"{r / 1e9:.1f}" for r in readings)
-            + f" GB/s; the bound uses {bw / 1e9:.1f} GB/s\n"
+            f"read bandwidth, {len(readings)} readings (before the runs, then after each setting's run in each "
+            f"round): {min(readings) / 1e9:.1f}-{bw / 1e9:.1f} GB/s; the bound uses the highest, {bw / 1e9:.1f} GB/s; "
+            "the paired share each round's rate against the reading next to it\n"
         )
         print(
             f"SmolLM2-135M, batch 1, {len(prompt)}-token prompt, {new} new tokens, greedy, best of {args.repeats} "
             "rounds in which the settings take turns"
         )
-        print("| setting | MB/token | bound tok/s | tok/s | share of bound | first call s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print(
+            "| setting | MB/token | bound tok/s | tok/s | share of bound | paired share, median (range) "
+            "| first call s |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name, rate in rates.items():
             bound = bw / weights[name]
             first = f"{firsts[name]:.1f}" if name in firsts else ""
             mb = f"{weights[name] / 1e6:.0f}" if name in firsts else ""
-            print(f"| {name} | {mb} | {bound:.1f} | {rate:.1f} | {rate / bound:.0%} | {first} |")
+            median, low, high = paired_shares(paired[name], weights[name])
+            print(
+                f"| {name} | {mb} | {bound:.1f} | {rate:.1f} | {rate / bound:.0%} "
+                f"| {median:.0%} ({low:.0%}-{high:.0%}) | {first} |"
+            )
         hf_bf16 = rates["transformers generate bfloat16"]
         print(
             f"\ncompiled bfloat16 / transformers bfloat16: {rates['tformer compiled bfloat16'] / hf_bf16:.2f}x; "

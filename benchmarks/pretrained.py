@@ -2,9 +2,11 @@
 same dtype, in one run, with the machine's memory bandwidth as the limit decoding is measured against.
 
 * **Bandwidth**: a sum over a 1 GiB float32 tensor (far larger than the caches), best of 5, with the threads the
-  decoders use. Decoding one token at batch 1 reads every weight once, so ``bandwidth / bytes per token`` bounds
-  tokens/s. The bytes per token are the weights a decode step reads: every matrix once (the tied head reads the
-  whole embedding matrix), not the embedding rows looked up.
+  decoders use, before the runs. Decoding one token at batch 1 reads every weight once, so ``bandwidth / bytes per
+  token`` bounds tokens/s. The bytes per token are the weights a decode step reads: every matrix once (the tied head
+  reads the whole embedding matrix), not the embedding rows looked up. "Share of bound" takes the first reading.
+  The host's bandwidth drifts, so it is also read before and after tformer's runs in each repeat: the paired share
+  is each repeat's rate against the higher of those two readings (median and range over the repeats).
 * **SmolLM2 decoding**: batch 1, a 32-token prompt, 128 new tokens, greedy, no stop: tformer's ``generate`` (KV
   cache; in bfloat16 also compiled, ``compile=True``) and ``transformers``' ``generate``, float32 and bfloat16.
   The decode rate is the 127 tokens after the first, timed as (time for 128 tokens) - (time for 1 token), so
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir
+from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir, paired_shares
 
 from tformer import embed, generate, kernels, load_pretrained, quantize
 
@@ -59,8 +61,9 @@ def matmul_rate(model: torch.nn.Module, repeats: int) -> float:
 
 def decode_rates(
     ours, hf, prompt: list[int], new: int, repeats: int, ours_only: bool = False, compile: bool = False
-) -> dict[str, tuple[float, list[int]]]:
-    """tokens/s of the decode phase (prefill excluded) for each side, and the tokens each made; ``compile``: tformer
+) -> tuple[dict[str, tuple[float, list[int]]], list[tuple[float, float]]]:
+    """tokens/s of the decode phase (prefill excluded) for each side and the tokens each made; and per repeat,
+    tformer's rate with the bandwidth read next to it (for :func:`_common.paired_shares`). ``compile``: tformer
     decodes through ``generate(..., compile=True)`` (the caller has made the graphs)."""
     from transformers import GenerationConfig
 
@@ -86,16 +89,26 @@ def decode_rates(
 
     runs = {"tformer": ours_run} if ours_only else {"tformer": ours_run, "transformers": hf_run}
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in runs for n in (1, new)}
+    paired = []  # per repeat: tformer's decode rate and the bandwidth read next to it (before or after)
     for _ in range(repeats):  # interleaved: both sides see the same machine load
+        before = bandwidth(3)
         for name, make in runs.items():
             for n in (1, new):
                 times[name, n].append(best(make(n), 1))
+            if name == "tformer":
+                rate = (new - 1) / (times[name, new][-1] - times[name, 1][-1])
+                paired.append((rate, max(before, bandwidth(3))))
     rates = {}
     for name, make in runs.items():
         make(new)()
         decode = min(times[name, new]) - min(times[name, 1])
         rates[name] = ((new - 1) / decode, out[name])
-    return rates
+    return rates, paired
+
+
+def shares(paired: list[tuple[float, float]], per_token: int) -> str:
+    median, low, high = paired_shares(paired, per_token)
+    return f"{median:.0%} ({low:.0%}-{high:.0%})"
 
 
 def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, float, float, float]:
@@ -202,13 +215,13 @@ def main() -> None:
     )
     print(
         "| dtype | weight MB read/token | bound tok/s | matmuls alone tok/s | tformer tok/s | share of bound "
-        "| transformers tok/s | ratio |"
+        "| paired share, median (range) | transformers tok/s | ratio |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     hf_rates = {}
     for dtype in (torch.float32, torch.bfloat16):
         ours, hf = smollm.model.to(dtype), hf32.to(dtype)
-        rates = decode_rates(ours, hf, prompt, args.new_tokens, args.repeats)
+        rates, paired = decode_rates(ours, hf, prompt, args.new_tokens, args.repeats)
         if dtype == torch.float32:
             assert rates["tformer"][1] == rates["transformers"][1], "the float32 greedy tokens differ"
         per_token = bytes_per_token(ours)
@@ -217,7 +230,7 @@ def main() -> None:
         a, b = rates["tformer"][0], rates["transformers"][0]
         print(
             f"| {str(dtype).removeprefix('torch.')} | {per_token / 1e6:.0f} | {bound:.1f} | {matmuls:.1f} | {a:.1f} | "
-            f"{a / bound:.0%} | {b:.1f} | **{a / b:.2f}x** |"
+            f"{a / bound:.0%} | {shares(paired, per_token)} | {b:.1f} | **{a / b:.2f}x** |"
         )
         hf_rates[dtype] = b
         if dtype == torch.bfloat16:  # tformer's compiled decoding (the compile, timed first, is not in the rate)
@@ -225,20 +238,23 @@ def main() -> None:
             for n in (1, args.new_tokens):
                 generate(ours, [prompt], max_new_tokens=n, greedy=True, compile=True)
             compile_s = time.perf_counter() - start
-            rates = decode_rates(ours, hf, prompt, args.new_tokens, args.repeats, compile=True)
+            rates, paired = decode_rates(ours, hf, prompt, args.new_tokens, args.repeats, compile=True)
             a, b = rates["tformer"][0], rates["transformers"][0]
             print(
                 f"| bfloat16, compiled (first calls {compile_s:.0f} s) | {per_token / 1e6:.0f} | {bound:.1f} | "
-                f"{matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {b:.1f} | **{a / b:.2f}x** |"
+                f"{matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {shares(paired, per_token)} | {b:.1f} "
+                f"| **{a / b:.2f}x** |"
             )
         if dtype == torch.bfloat16 or args.int8_float32:
             quantized = quantize(copy.deepcopy(ours))
-            a = decode_rates(quantized, hf, prompt, args.new_tokens, args.repeats, ours_only=True)["tformer"][0]
+            rates, paired = decode_rates(quantized, hf, prompt, args.new_tokens, args.repeats, ours_only=True)
+            a = rates["tformer"][0]
             per_token, matmuls = bytes_per_token(quantized), matmul_rate(quantized, args.repeats)
             bound = bw / per_token
             print(
                 f"| int8 weights, {str(dtype).removeprefix('torch.')} activations | {per_token / 1e6:.0f} | "
-                f"{bound:.1f} | {matmuls:.1f} | {a:.1f} | {a / bound:.0%} | ({b:.1f}) | **{a / b:.2f}x** |"
+                f"{bound:.1f} | {matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {shares(paired, per_token)} | ({b:.1f}) "
+                f"| **{a / b:.2f}x** |"
             )
             del quantized
     del hf32, smollm

@@ -174,6 +174,18 @@ def test_tensor_prompts_and_eval_mode_restored(random_lm, random_prompts):
     assert out == generate(model, ids.tolist(), max_new_tokens=8, greedy=True)  # dropout was off
 
 
+def test_text_instead_of_token_ids_is_a_type_error_that_says_how_to_encode(random_lm):
+    model = random_lm()
+    with pytest.raises(TypeError, match=r"not the text 'hello': pass \[tokenizer.encode\(text\)\]"):
+        generate(model, "hello", max_new_tokens=2)
+    with pytest.raises(TypeError, match="not texts: pass \\[tokenizer.encode\\(t\\) for t in texts\\]"):
+        generate(model, ["hello"], max_new_tokens=2)
+    assert (
+        generate(model, ([1, 2], (3,)), max_new_tokens=1, greedy=True)[1]
+        == generate(model, [[3]], max_new_tokens=1, greedy=True)[0]
+    )  # any sequences of ints still work
+
+
 # --------------------------------------------------------------------------------------------------
 # Determinism and seeds
 # --------------------------------------------------------------------------------------------------

@@ -146,3 +146,42 @@ def test_the_cli_answers_bad_checkpoints_with_one_line_and_exit_2(gpt2_dir, tmp_
     assert main(args) == 2
     assert one_line(capsys).startswith(f"tformer {command}: error: {gpt2_dir / 'config.json'}: model_type 't5'")
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_to_a_path_below_a_file_is_one_line_and_exit_2(gpt2_dir, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["convert", str(gpt2_dir), "--out", str(tmp_path / "notes.txt" / "sub")]) == 2
+    assert one_line(capsys) == (
+        f"tformer convert: error: --out {tmp_path / 'notes.txt' / 'sub'}: {tmp_path / 'notes.txt'} is a file, so no "
+        "folder can be made under it; choose another path"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "notes.txt"]
+
+
+def test_embed_refuses_a_decoder_even_with_no_lines_to_embed(gpt2_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["embed", "--checkpoint", str(gpt2_dir)]) == 2
+    assert "sentence embeddings need an encoder with a tokenizer" in one_line(capsys)
+
+
+def test_the_python_api_names_common_mistakes(saved, minilm):
+    from tformer import embed
+
+    with pytest.raises(TypeError, match=r"texts must be a list of strings; got str \(wrap one text: \[text\]\)"):
+        embed(minilm, "A man is eating food.")
+    with pytest.raises(ValueError, match="batch_size must be >= 1; got 0"):
+        embed(minilm, ["a"], batch_size=0)
+    with pytest.raises(TypeError, match="embed needs what tformer.load_pretrained returns .*; got Encoder"):
+        embed(minilm.model, ["a"])
+    model = load_pretrained(saved("gpt2").path, dtype="bfloat16").model
+    assert next(model.parameters()).dtype == torch.bfloat16  # a dtype's name works as well as the dtype
+    with pytest.raises(InteropError, match="dtype='int8' is not a floating-point dtype"):
+        load_pretrained(saved("gpt2").path, dtype="int8")
+
+
+def test_a_file_given_as_a_run_names_the_formats_that_load(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    assert main(["sample", "--checkpoint", str(notes), "--prompt", "x"]) == 2
+    line = one_line(capsys)
+    assert f"{notes}: not a checkpoint" in line and "a .gguf file" in line

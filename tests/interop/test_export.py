@@ -107,3 +107,33 @@ def test_sharded_checkpoints_load(saved, tmp_path):
     assert len(hf.weight_files(tmp_path)) > 1
     b = batch("lm")
     assert torch.equal(ours(load_pretrained(tmp_path).model, "lm", b), ours(load_pretrained(s.path).model, "lm", b))
+
+
+def test_a_llama_export_states_its_rope_base_for_transformers_4_and_5(saved, tmp_path):
+    pretrained = load_pretrained(saved("llama").path)
+    out = save_pretrained(pretrained.model, tmp_path / "out", generation=pretrained.generation)
+    config = json.loads((out / "config.json").read_text())
+    base = pretrained.model.cfg.rope_base
+    # transformers 5 reads rope_parameters; 4 reads rope_theta, and without it would take its default, 10000
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": base} and config["rope_theta"] == base
+    assert base != 10000.0  # the tiny model's base is not the default, so a dropped field would show
+
+
+def test_unknown_special_ids_are_written_as_null_not_left_to_the_classs_defaults(tmp_path):
+    model = DecoderLM(TransformerConfig.tiny(position="learned", activation="gelu_tanh", norm_first=True))
+    out = save_pretrained(model, tmp_path / "out")  # no tokenizer: no bos, eos or pad
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == dict.fromkeys(
+        ("bos_token_id", "eos_token_id", "pad_token_id")
+    )
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (None, None)  # absent, GPT-2's class would say 50256
+
+
+def test_a_quantized_model_is_refused_and_nothing_is_written(saved, tmp_path):
+    from tformer import quantize
+
+    model = quantize(load_pretrained(saved("llama").path).model)
+    with pytest.raises(InteropError, match=r"a quantized \(int8\) model cannot be exported"):
+        save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

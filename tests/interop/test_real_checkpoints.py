@@ -107,3 +107,18 @@ def test_smollm2_greedy_text_equals_transformers_generate(smollm, smollm_hf_mode
     assert [tokenizer.decode(o) for o in ours] == [tokenizer.decode(t) for t in theirs]
     assert ours[0][:2] == tokenizer.encode(" Paris.")  # and it knows the answer
     assert len(ours[2]) < 24  # the chat answer ended at <|im_end|>: the list of EOS ids is honoured
+
+
+def test_smollm2_converted_to_a_directory_keeps_its_special_tokens_and_chat_template(
+    smollm, smollm_gguf, smollm_hf_tokenizer
+):
+    from tformer.interop.gguf import cached_directory
+
+    folder = cached_directory(smollm_gguf)  # the directory the smollm fixture's load converted (convert_gguf)
+    ours, ref = transformers.AutoTokenizer.from_pretrained(folder), smollm_hf_tokenizer
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (ref.bos_token, ref.eos_token, ref.pad_token)
+    assert ours.eos_token == "<|im_end|>"
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert prompt == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")

@@ -37,6 +37,9 @@ def _check_out(out: str) -> Path:
         raise ValueError("--out must name a directory")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"--out {out} already exists and is not an empty folder; choose another path or delete it")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, so no folder can be made under it; choose another path")
     return path
 
 

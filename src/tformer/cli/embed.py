@@ -46,11 +46,12 @@ def _run_embed(args: argparse.Namespace) -> int:
     def run() -> int:
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1; got {args.batch_size}")
-        from tformer.interop import embed, load_pretrained
+        from tformer.interop import check_embedder, embed, load_pretrained
         from tformer.training.runtime import resolve_device
 
         texts = read_lines(sys.stdin)
         pretrained = load_pretrained(args.checkpoint, dtype=torch_dtype(args.dtype), device=resolve_device(args.device))
+        check_embedder(pretrained)  # also with no lines: the wrong model is an error, not an empty output
         for start in range(0, len(texts), args.batch_size):
             vectors = embed(pretrained, texts[start : start + args.batch_size], batch_size=args.batch_size)
             for row in vectors.tolist():

@@ -50,8 +50,10 @@ def add_cli(subparsers) -> None:
         "--compile",
         choices=["auto", "on", "off"],
         default="auto",
-        help="torch.compile the decode step over a static cache (exact). auto: on CUDA yes, on the CPU no (there the "
-        "compile costs minutes; tformer.generation.static.auto_compile gives the measured rule)",
+        help="torch.compile the decode step over a static cache: the same function (float32: the same tokens; in "
+        "bfloat16 and float16 the compiled kernels round differently, so a near tie can pick another token). auto: "
+        "on CUDA yes, on the CPU no (there the compile costs minutes; tformer.generation.static.auto_compile gives "
+        "the measured rule)",
     )
     p.set_defaults(func=_run_sample)
 

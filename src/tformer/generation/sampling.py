@@ -267,6 +267,13 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
                 f"prompt_ids must be a (batch, time) integer tensor; got {prompt_ids.dtype} {tuple(prompt_ids.shape)}"
             )
         prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, str):
+        raise TypeError(
+            f"prompt_ids must be token ids, not the text {prompt_ids[:40]!r}: pass [tokenizer.encode(text)]"
+        )
+    prompt_ids = list(prompt_ids)
+    if any(isinstance(p, str) for p in prompt_ids):
+        raise TypeError("prompt_ids must be lists of token ids, not texts: pass [tokenizer.encode(t) for t in texts]")
     prompts = [[int(t) for t in p] for p in prompt_ids]
     if not prompts:
         raise ValueError("prompt_ids is empty: give at least one prompt")

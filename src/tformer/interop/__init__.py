@@ -90,6 +90,7 @@ def load_pretrained(
     """Load a Hugging Face model directory or a ``.gguf`` file; ``dtype=None`` keeps the file's dtype (a GGUF file's
     quantized tensors are dequantized to float32). ``InteropError`` (a ``ValueError``) names the file or the field for
     anything missing, truncated, unexpected or unsupported."""
+    dtype = _as_dtype(dtype)
     path = Path(path)
     if not path.exists():
         raise InteropError(f"{path}: no such file or directory")
@@ -153,6 +154,16 @@ def family_for(model: nn.Module) -> Family:
     )
 
 
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a ``torch.dtype``: one, its name (``"bfloat16"``, ``"torch.bfloat16"``) or ``None``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise InteropError(f"dtype={dtype!r} is not a floating-point dtype; use e.g. torch.bfloat16 or 'float32'")
+    return found
+
+
 def save_pretrained(
     model: nn.Module,
     path: str | os.PathLike,
@@ -163,16 +174,23 @@ def save_pretrained(
     """Write ``model`` as a Hugging Face model directory at ``path`` (``config.json``, ``model.safetensors``, and
     ``tokenizer.json`` for a tokenizer with a Hugging Face form). ``InteropError`` names the config field when the
     model fits no family; nothing is written then."""
+    from tformer.quantization import Int8Linear
     from tformer.training.checkpoint import unwrap
 
     model = unwrap(model)
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise InteropError(
+            "a quantized (int8) model cannot be exported: Hugging Face's formats hold float weights; save the model "
+            "before tformer.quantize"
+        )
     family = family_for(model)
     generation = generation or _generation_of(tokenizer)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     tensors = family.keys(model.cfg).to_hf(state)
     dtype = hf.file_dtype(tensors)
     config = {**family.hf_config(model.cfg, generation), "dtype": str(dtype).removeprefix("torch.")}
-    config = {k: v for k, v in config.items() if v is not None}
+    # None drops a field, except the special ids: absent, transformers would take its class's default (GPT-2's 50256)
+    config = {k: v for k, v in config.items() if v is not None or k in SPECIAL_IDS}
     gen = {
         k: v
         for k, v in {
@@ -184,6 +202,9 @@ def save_pretrained(
         if v is not None
     }
     return hf.write_directory(Path(path), config, tensors, gen, _hf_tokenizer(tokenizer))
+
+
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # written to config.json even when None (null)
 
 
 def _generation_of(tokenizer: Any | None) -> GenerationIds:
@@ -208,9 +229,12 @@ def embed(pretrained: Pretrained, texts: list[str], *, batch_size: int = 32) -> 
     """Sentence embeddings ``(N, C)`` as sentence-transformers computes them: the encoder's last hidden states averaged
     over each text's real tokens (mask-weighted mean pooling), then L2-normalized. Texts longer than the model's
     ``max_length`` (sentence-transformers' ``max_seq_length``; else the position table) are truncated."""
+    check_embedder(pretrained)
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"texts must be a list of strings; got {type(texts).__name__} (wrap one text: [text])")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     model, tokenizer = pretrained.model, pretrained.tokenizer
-    if not isinstance(model, Encoder) or tokenizer is None:
-        raise InteropError(f"{pretrained.path}: sentence embeddings need an encoder with a tokenizer (a BERT model)")
     limit = pretrained.max_length or model.cfg.max_seq_len
     device = next(model.parameters()).device
     out = []
@@ -226,6 +250,17 @@ def embed(pretrained: Pretrained, texts: list[str], *, batch_size: int = 32) -> 
     return torch.cat(out) if out else torch.empty(0, model.cfg.d_model)
 
 
+def check_embedder(pretrained: Pretrained) -> None:
+    """``InteropError`` unless ``pretrained`` can embed sentences: an encoder with a tokenizer (a BERT model)."""
+    if not isinstance(pretrained, Pretrained):
+        raise TypeError(
+            f"embed needs what tformer.load_pretrained returns (a Pretrained: model and tokenizer); got "
+            f"{type(pretrained).__name__}"
+        )
+    if not isinstance(pretrained.model, Encoder) or pretrained.tokenizer is None:
+        raise InteropError(f"{pretrained.path}: sentence embeddings need an encoder with a tokenizer (a BERT model)")
+
+
 def _truncate(ids: list[int], limit: int) -> list[int]:
     """At most ``limit`` ids, keeping the last (``[SEP]``) one, as the tokenizer's truncation would."""
     return ids if len(ids) <= limit else [*ids[: limit - 1], ids[-1]]
@@ -237,6 +272,7 @@ __all__ = [
     "HFTokenizer",
     "InteropError",
     "Pretrained",
+    "check_embedder",
     "embed",
     "family_for",
     "is_pretrained",

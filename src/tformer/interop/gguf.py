@@ -66,7 +66,7 @@ class GGUFFile:
         try:
             self.reader = GGUFReader(path)
         except Exception as err:  # the reader raises ValueError, struct.error, ... for a damaged file
-            raise InteropError(f"{path}: not a readable GGUF file: {err}") from None
+            raise InteropError(f"{path}: not a readable GGUF file (truncated or damaged?): {err}") from None
         self.path = path
 
     def field(self, name: str, default: Any = None) -> Any:
@@ -213,8 +213,8 @@ CACHE_VERSION = 1
 
 def convert_gguf(path: Path, out: Path) -> Path:
     """Write the Hugging Face model directory of the GGUF file ``path`` at ``out``: ``config.json``,
-    ``model.safetensors`` (dequantized, float32, Hugging Face's names and Q/K order), ``tokenizer.json`` and
-    ``generation_config.json``. What ``transformers`` would load from the file, in its own format."""
+    ``model.safetensors`` (dequantized, float32, Hugging Face's names and Q/K order), ``tokenizer.json``,
+    ``tokenizer_config.json`` (special tokens, chat template) and ``generation_config.json``. What ``transformers`` would load from the file, in its own format."""
     from tformer.interop import family_of
     from tformer.interop.hf import write_directory
 
@@ -229,7 +229,27 @@ def convert_gguf(path: Path, out: Path) -> Path:
         "head_dim": cfg.head_dim,
         "dtype": "float32",
     }
-    return write_directory(out, hf_cfg, tensors, generation, tokenizer(file, config))
+    return write_directory(out, hf_cfg, tensors, generation, tokenizer(file, config), tokenizer_config(file, config))
+
+
+def tokenizer_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any] | None:
+    """``tokenizer_config.json`` for the file's tokenizer: its special tokens by name and its chat template (what
+    ``transformers.AutoTokenizer`` reads besides ``tokenizer.json``: without it, a converted directory's tokenizer
+    has no eos, bos or pad token and no chat template). ``None`` for a file without a tokenizer."""
+    tokens = file.field("tokenizer.ggml.tokens")
+    if tokens is None:
+        return None
+    tokens = list(tokens)
+    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "pad_token_id"}
+    out: dict[str, Any] = {k: tokens[config[i]] for k, i in names.items() if config[i] is not None}
+    unknown = file.field("tokenizer.ggml.unknown_token_id")
+    if unknown is not None:
+        out["unk_token"] = tokens[int(unknown)]
+    template = file.field("tokenizer.chat_template")
+    if template is not None:
+        out["chat_template"] = str(template)
+    out["add_bos_token"] = bool(file.field("tokenizer.ggml.add_bos_token", False))
+    return out
 
 
 def cached_directory(path: Path) -> Path:

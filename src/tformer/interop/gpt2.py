@@ -115,4 +115,5 @@ class GPT2(Family):
             "tie_word_embeddings": True,
             "bos_token_id": generation.bos,
             "eos_token_id": generation.eos_id,
+            "pad_token_id": generation.pad,
         }

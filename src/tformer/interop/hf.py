@@ -20,6 +20,7 @@ from tformer.interop.keys import InteropError
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 GENERATION = "generation_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -94,9 +95,15 @@ def generation_ids(config: dict[str, Any], generation: dict[str, Any] | None) ->
 
 
 def write_directory(
-    path: Path, config: dict[str, Any], tensors: dict[str, Tensor], generation: dict[str, Any], tokenizer: Any | None
+    path: Path,
+    config: dict[str, Any],
+    tensors: dict[str, Tensor],
+    generation: dict[str, Any],
+    tokenizer: Any | None,
+    tokenizer_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a model directory at ``path`` (which must not exist, or be empty) in one rename."""
+    """Write a model directory at ``path`` (which must not exist, or be empty) in one rename; ``tokenizer_config``:
+    the ``tokenizer_config.json`` to write beside ``tokenizer.json`` (special tokens, chat template)."""
     from safetensors.torch import save_file
 
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -112,6 +119,8 @@ def write_directory(
             (tmp / GENERATION).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if tokenizer_config:
+            (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
         if path.exists():
             path.rmdir()
         tmp.rename(path)

@@ -150,13 +150,15 @@ class Llama(Family):
             "num_hidden_layers": cfg.num_layers,
             "intermediate_size": cfg.d_ff,
             "max_position_embeddings": cfg.max_seq_len,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},  # transformers 5
+            "rope_theta": cfg.rope_base,  # transformers 4 reads this one (without it: its default, 10000)
             "hidden_act": reverse_activation(cfg.activation),
             "rms_norm_eps": cfg.layer_norm_eps,
             "tie_word_embeddings": cfg.tie_embeddings,
             "attention_dropout": cfg.dropout,
             "bos_token_id": generation.bos,
             "eos_token_id": list(generation.eos) if len(generation.eos) > 1 else generation.eos_id,
+            "pad_token_id": generation.pad,
             **self._extra_hf_config(),
         }
 

@@ -294,7 +294,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if not path.is_dir():
-        raise CheckpointError(f"{path}: a checkpoint is a directory (holding {MANIFEST}), not a file")
+        raise CheckpointError(
+            f"{path}: not a checkpoint: a tformer run or checkpoint is a directory (holding {MANIFEST}); other models "
+            "load from a Hugging Face directory (with config.json) or a .gguf file"
+        )
     if (path / MANIFEST).exists():
         return path
     for root in (path / CHECKPOINTS_DIR, path):
