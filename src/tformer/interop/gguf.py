@@ -214,7 +214,8 @@ CACHE_VERSION = 1
 def convert_gguf(path: Path, out: Path) -> Path:
     """Write the Hugging Face model directory of the GGUF file ``path`` at ``out``: ``config.json``,
     ``model.safetensors`` (dequantized, float32, Hugging Face's names and Q/K order), ``tokenizer.json``,
-    ``tokenizer_config.json`` (special tokens, chat template) and ``generation_config.json``. What ``transformers`` would load from the file, in its own format."""
+    ``tokenizer_config.json`` (special tokens, chat template) and ``generation_config.json``. What ``transformers``
+    would load from the file, in its own format."""
     from tformer.interop import family_of
     from tformer.interop.hf import write_directory
 
