@@ -101,6 +101,24 @@ def test_cli_sample_prompt_longer_than_the_learned_positions(lm_run, capsys):
     assert capsys.readouterr().out == prompt + ckpt.tokenizer.decode(new) + "\n"
 
 
+@pytest.mark.parametrize("position", ["rotary", "sinusoidal"])
+def test_cli_sample_notes_a_prompt_longer_than_the_trained_context_and_still_samples(peaky, tmp_path, capsys, position):
+    tok = CharTokenizer(CHARS, unknown="error")
+    model = peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size, position=position, max_seq_len=8)))
+    save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=0, train_config={})
+    args = ["sample", "--checkpoint", str(tmp_path), "--greedy", "--max-new-tokens", "12", "--prompt"]
+    assert main([*args, "abcdefgh"]) == 0  # 8 tokens: the trained context; generating past it is not noted
+    assert capsys.readouterr().err == ""
+    assert main([*args, "abcdefghi"]) == 0
+    out = capsys.readouterr()
+    assert out.err == (
+        "tformer sample: note: the prompt's 9 tokens are more than the model's trained context (max_seq_len 8); "
+        f"its {position} positions go on, but what it generates may degrade\n"
+    )
+    new = generate(model, [tok.encode("abcdefghi")], max_new_tokens=12, greedy=True)[0]
+    assert out.out == "abcdefghi" + tok.decode(new) + "\n"
+
+
 def test_cli_sample_tiny_temperature_is_greedy(lm_run, capsys):
     assert main(["sample", "--checkpoint", str(lm_run), "--prompt", "ab", "--max-new-tokens", "30", "--greedy"]) == 0
     greedy = capsys.readouterr().out

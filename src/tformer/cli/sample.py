@@ -82,6 +82,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop or None,
             compile=compiled,
+            note=lambda message: print(f"tformer sample: note: {message}", file=sys.stderr),
         )
         if compiled:
             times = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in LAST_TIMINGS.items())
