@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import GenerationConfig
 
@@ -90,6 +91,22 @@ def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, ca
     assert {k: v for k, v in info.items() if v} == {}
     for name, weight in hf_model.state_dict().items():
         assert torch.equal(hf16.state_dict()[name], weight.to(torch.bfloat16)), name
+
+
+def test_convert_gguf_in_bfloat16_is_the_float32_conversion_cast_with_the_same_tokenizer_files(
+    tiny_gguf, tmp_path, capsys
+):
+    path, _ = tiny_gguf
+    for dtype in ("float32", "bfloat16"):
+        code, out, _ = cli(capsys, "convert", str(path), "--out", str(tmp_path / dtype), "--dtype", dtype)
+        assert code == 0 and f"Hugging Face model directory ({dtype})" in out
+    f32, bf16 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("float32", "bfloat16"))
+    assert sorted(bf16) == sorted(f32) and all(torch.equal(bf16[k], f32[k].to(torch.bfloat16)) for k in f32)
+    assert json.loads((tmp_path / "bfloat16" / "config.json").read_text())["dtype"] == "bfloat16"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "bfloat16" / name).read_text() == (tmp_path / "float32" / name).read_text(), name
+    hf16, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16", output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {} and hf16.dtype == torch.bfloat16
 
 
 def test_convert_refuses_an_encoder_as_a_run_and_writes_nothing(saved, tmp_path, capsys):

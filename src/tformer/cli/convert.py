@@ -1,6 +1,7 @@
 """``tformer convert SRC --out DIR``: between tformer runs, Hugging Face model directories and GGUF files.
 
-* a ``.gguf`` file -> a Hugging Face directory (dequantized weights, Hugging Face's names and Q/K order);
+* a ``.gguf`` file -> a Hugging Face directory (weights dequantized, stored in ``--dtype``, default float32;
+  Hugging Face's names and Q/K order; the tokenizer with its special tokens and chat template);
 * a tformer run or checkpoint -> a Hugging Face directory (:func:`tformer.save_pretrained`: its config must map onto
   a family);
 * a Hugging Face directory -> a tformer run (``DIR/checkpoints/step-000000``, weights only), which ``tformer sample``
@@ -50,16 +51,13 @@ def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
     path = _check_out(out)
     if not Path(src).exists():
         raise ValueError(f"{src}: no such file or directory")
-    if Path(src).suffix == ".gguf" and dtype in (None, "float32"):
+    if Path(src).suffix == ".gguf" and Path(src).is_file():
         from tformer.interop.gguf import convert_gguf
 
-        return convert_gguf(Path(src), path), "a Hugging Face model directory (float32)"
+        stored = torch_dtype(dtype or "float32")
+        return convert_gguf(Path(src), path, stored), f"a Hugging Face model directory ({dtype or 'float32'})"
     if is_pretrained(src):
-        pretrained = load_pretrained(src, dtype=torch_dtype(dtype))
-        if Path(src).suffix == ".gguf":
-            save_pretrained(pretrained.model, path, tokenizer=pretrained.tokenizer, generation=pretrained.generation)
-            return path, f"a Hugging Face model directory ({dtype})"
-        return _to_run(pretrained, path), "a tformer run"
+        return _to_run(load_pretrained(src, dtype=torch_dtype(dtype)), path), "a tformer run"
     ckpt = load_run(src, None, "cpu", "convert")
     if dtype is not None:
         ckpt.model.to(torch_dtype(dtype))

@@ -211,24 +211,24 @@ def tokenizer(file: GGUFFile, config: dict[str, Any]):
 CACHE_VERSION = 1
 
 
-def convert_gguf(path: Path, out: Path) -> Path:
+def convert_gguf(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write the Hugging Face model directory of the GGUF file ``path`` at ``out``: ``config.json``,
-    ``model.safetensors`` (dequantized, float32, Hugging Face's names and Q/K order), ``tokenizer.json``,
-    ``tokenizer_config.json`` (special tokens, chat template) and ``generation_config.json``. What ``transformers``
-    would load from the file, in its own format."""
+    ``model.safetensors`` (dequantized to float32, stored in ``dtype``; Hugging Face's names and Q/K order),
+    ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat template) and ``generation_config.json``.
+    What ``transformers`` would load from the file, in its own format."""
     from tformer.interop import family_of
     from tformer.interop.hf import write_directory
 
     file = GGUFFile(path)
     config = hf_config(file)
     cfg = family_of(config, str(path)).config(config, str(path))  # refuses unsupported settings before any work
-    tensors = hf_tensors(file, config)
+    tensors = {name: t.to(dtype) for name, t in hf_tensors(file, config).items()}
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
     hf_cfg = {
         **{k: v for k, v in config.items() if v is not None},
         "architectures": ["LlamaForCausalLM"],
         "head_dim": cfg.head_dim,
-        "dtype": "float32",
+        "dtype": str(dtype).removeprefix("torch."),
     }
     return write_directory(out, hf_cfg, tensors, generation, tokenizer(file, config), tokenizer_config(file, config))
 
