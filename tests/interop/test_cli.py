@@ -91,6 +91,11 @@ def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, ca
     assert {k: v for k, v in info.items() if v} == {}
     for name, weight in hf_model.state_dict().items():
         assert torch.equal(hf16.state_dict()[name], weight.to(torch.bfloat16)), name
+    # the special tokens by name survive GGUF -> HF -> run -> HF (save_pretrained writes them as convert_gguf does)
+    specials = ("bos_token", "eos_token", "pad_token")
+    first, last = (transformers.AutoTokenizer.from_pretrained(tmp_path / d) for d in ("hf", "hf16"))
+    assert [getattr(last, k) for k in specials] == [getattr(first, k) for k in specials]
+    assert first.eos_token is not None and first.convert_tokens_to_ids(first.eos_token) == EOS
 
 
 def test_convert_gguf_in_bfloat16_is_the_float32_conversion_cast_with_the_same_tokenizer_files(

@@ -171,9 +171,9 @@ def save_pretrained(
     tokenizer: Any | None = None,
     generation: GenerationIds | None = None,
 ) -> Path:
-    """Write ``model`` as a Hugging Face model directory at ``path`` (``config.json``, ``model.safetensors``, and
-    ``tokenizer.json`` for a tokenizer with a Hugging Face form). ``InteropError`` names the config field when the
-    model fits no family; nothing is written then."""
+    """Write ``model`` as a Hugging Face model directory at ``path`` (``config.json``, ``model.safetensors``, and for
+    a tokenizer with a Hugging Face form ``tokenizer.json`` and ``tokenizer_config.json``, its special tokens).
+    ``InteropError`` names the config field when the model fits no family; nothing is written then."""
     from tformer.quantization import Int8Linear
     from tformer.training.checkpoint import unwrap
 
@@ -201,7 +201,9 @@ def save_pretrained(
         }.items()
         if v is not None
     }
-    return hf.write_directory(Path(path), config, tensors, gen, _hf_tokenizer(tokenizer))
+    tok = _hf_tokenizer(tokenizer)
+    ids = {"bos_token": generation.bos, "eos_token": generation.eos_id, "pad_token": generation.pad}
+    return hf.write_directory(Path(path), config, tensors, gen, tok, tok and hf.special_tokens(tok.token, ids))
 
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # written to config.json even when None (null)

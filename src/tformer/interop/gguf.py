@@ -237,15 +237,16 @@ def tokenizer_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any] |
     """``tokenizer_config.json`` for the file's tokenizer: its special tokens by name and its chat template (what
     ``transformers.AutoTokenizer`` reads besides ``tokenizer.json``: without it, a converted directory's tokenizer
     has no eos, bos or pad token and no chat template). ``None`` for a file without a tokenizer."""
+    from tformer.interop.hf import special_tokens
+
     tokens = file.field("tokenizer.ggml.tokens")
     if tokens is None:
         return None
     tokens = list(tokens)
-    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "pad_token_id"}
-    out: dict[str, Any] = {k: tokens[config[i]] for k, i in names.items() if config[i] is not None}
     unknown = file.field("tokenizer.ggml.unknown_token_id")
-    if unknown is not None:
-        out["unk_token"] = tokens[int(unknown)]
+    ids = {f"{name}_token": config[f"{name}_token_id"] for name in ("bos", "eos", "pad")}
+    ids["unk_token"] = None if unknown is None else int(unknown)
+    out: dict[str, Any] = special_tokens(tokens.__getitem__, ids)
     template = file.field("tokenizer.chat_template")
     if template is not None:
         out["chat_template"] = str(template)

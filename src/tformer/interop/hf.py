@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,14 @@ def generation_ids(config: dict[str, Any], generation: dict[str, Any] | None) ->
     return GenerationIds(
         one("bos_token_id"), _ids(merged.get("eos_token_id")), one("pad_token_id"), one("decoder_start_token_id")
     )
+
+
+def special_tokens(token: Callable[[int], str | None], ids: dict[str, int | None]) -> dict[str, str]:
+    """``tokenizer_config.json``'s special tokens by name, e.g. ``{"eos_token": "<|im_end|>"}``, from ``ids``
+    (``{"eos_token": 2, ...}``) and ``token(id)``, the vocabulary's piece: ``transformers.AutoTokenizer`` knows a
+    tokenizer's eos, bos and pad from these, not from ``config.json``'s ids. ``None`` ids are left out."""
+    named = {name: token(i) for name, i in ids.items() if i is not None}
+    return {name: piece for name, piece in named.items() if piece is not None}
 
 
 def write_directory(
