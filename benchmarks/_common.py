@@ -46,14 +46,14 @@ def bandwidth(repeats: int = 5) -> float:
     return x.numel() * 4 / best(x.sum, repeats)
 
 
-def paired_shares(rounds: list[tuple[float, float]], bytes_per_token: int) -> tuple[float, float, float]:
+def paired_shares(rounds: list[tuple[float, float]], bytes_per_token: int) -> str:
     """Shares of the bandwidth bound, each round's decode rate against the bandwidth read next to it (the higher of
-    the readings just before and just after its run): ``rate / (bandwidth / bytes_per_token)`` per round, as
-    (median, lowest, highest). The host's bandwidth drifts within a run; pairing a rate with the reading taken at
-    its time measures the decoder, where the highest reading of the run against the best rate measures the host's
-    best moment too."""
+    the readings just before and just after its run): ``rate / (bandwidth / bytes_per_token)`` per round, as the
+    table cell "median (lowest-highest)". The host's bandwidth drifts within a run; pairing a rate with the reading
+    taken at its time measures the decoder, where the highest reading of the run against the best rate measures the
+    host's best moment too."""
     shares = sorted(rate * bytes_per_token / bw for rate, bw in rounds)
-    return statistics.median(shares), shares[0], shares[-1]
+    return f"{statistics.median(shares):.0%} ({shares[0]:.0%}-{shares[-1]:.0%})"
 
 
 def bytes_per_token(model: torch.nn.Module) -> int:

@@ -148,10 +148,9 @@ def main() -> None:
             bound = bw / weights[name]
             first = f"{firsts[name]:.1f}" if name in firsts else ""
             mb = f"{weights[name] / 1e6:.0f}" if name in firsts else ""
-            median, low, high = paired_shares(paired[name], weights[name])
             print(
                 f"| {name} | {mb} | {bound:.1f} | {rate:.1f} | {rate / bound:.0%} "
-                f"| {median:.0%} ({low:.0%}-{high:.0%}) | {first} |"
+                f"| {paired_shares(paired[name], weights[name])} | {first} |"
             )
         hf_bf16 = rates["transformers generate bfloat16"]
         print(

@@ -106,11 +106,6 @@ def decode_rates(
     return rates, paired
 
 
-def shares(paired: list[tuple[float, float]], per_token: int) -> str:
-    median, low, high = paired_shares(paired, per_token)
-    return f"{median:.0%} ({low:.0%}-{high:.0%})"
-
-
 def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, float, float, float]:
     from transformers import AutoModel, AutoTokenizer
 
@@ -230,7 +225,7 @@ def main() -> None:
         a, b = rates["tformer"][0], rates["transformers"][0]
         print(
             f"| {str(dtype).removeprefix('torch.')} | {per_token / 1e6:.0f} | {bound:.1f} | {matmuls:.1f} | {a:.1f} | "
-            f"{a / bound:.0%} | {shares(paired, per_token)} | {b:.1f} | **{a / b:.2f}x** |"
+            f"{a / bound:.0%} | {paired_shares(paired, per_token)} | {b:.1f} | **{a / b:.2f}x** |"
         )
         hf_rates[dtype] = b
         if dtype == torch.bfloat16:  # tformer's compiled decoding (the compile, timed first, is not in the rate)
@@ -242,7 +237,7 @@ def main() -> None:
             a, b = rates["tformer"][0], rates["transformers"][0]
             print(
                 f"| bfloat16, compiled (first calls {compile_s:.0f} s) | {per_token / 1e6:.0f} | {bound:.1f} | "
-                f"{matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {shares(paired, per_token)} | {b:.1f} "
+                f"{matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {paired_shares(paired, per_token)} | {b:.1f} "
                 f"| **{a / b:.2f}x** |"
             )
         if dtype == torch.bfloat16 or args.int8_float32:
@@ -253,8 +248,8 @@ def main() -> None:
             bound = bw / per_token
             print(
                 f"| int8 weights, {str(dtype).removeprefix('torch.')} activations | {per_token / 1e6:.0f} | "
-                f"{bound:.1f} | {matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {shares(paired, per_token)} | ({b:.1f}) "
-                f"| **{a / b:.2f}x** |"
+                f"{bound:.1f} | {matmuls:.1f} | {a:.1f} | {a / bound:.0%} | {paired_shares(paired, per_token)} "
+                f"| ({b:.1f}) | **{a / b:.2f}x** |"
             )
             del quantized
     del hf32, smollm

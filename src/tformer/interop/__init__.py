@@ -190,7 +190,7 @@ def save_pretrained(
     dtype = hf.file_dtype(tensors)
     config = {**family.hf_config(model.cfg, generation), "dtype": str(dtype).removeprefix("torch.")}
     # None drops a field, except the special ids: absent, transformers would take its class's default (GPT-2's 50256)
-    config = {k: v for k, v in config.items() if v is not None or k in SPECIAL_IDS}
+    config = {k: v for k, v in config.items() if v is not None or k in hf.SPECIAL_IDS}
     gen = {
         k: v
         for k, v in {
@@ -202,11 +202,8 @@ def save_pretrained(
         if v is not None
     }
     tok = _hf_tokenizer(tokenizer)
-    ids = {"bos_token": generation.bos, "eos_token": generation.eos_id, "pad_token": generation.pad}
+    ids = dict(zip(hf.SPECIAL_IDS, (generation.bos, generation.eos_id, generation.pad), strict=True))
     return hf.write_directory(Path(path), config, tensors, gen, tok, tok and hf.special_tokens(tok.token, ids))
-
-
-SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # written to config.json even when None (null)
 
 
 def _generation_of(tokenizer: Any | None) -> GenerationIds:

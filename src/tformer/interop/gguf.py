@@ -217,13 +217,13 @@ def convert_gguf(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
     ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat template) and ``generation_config.json``.
     What ``transformers`` would load from the file, in its own format."""
     from tformer.interop import family_of
-    from tformer.interop.hf import write_directory
+    from tformer.interop.hf import SPECIAL_IDS, write_directory
 
     file = GGUFFile(path)
     config = hf_config(file)
     cfg = family_of(config, str(path)).config(config, str(path))  # refuses unsupported settings before any work
     tensors = {name: t.to(dtype) for name, t in hf_tensors(file, config).items()}
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    generation = {k: config[k] for k in SPECIAL_IDS if config[k] is not None}
     hf_cfg = {
         **{k: v for k, v in config.items() if v is not None},
         "architectures": ["LlamaForCausalLM"],
@@ -237,15 +237,14 @@ def tokenizer_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any] |
     """``tokenizer_config.json`` for the file's tokenizer: its special tokens by name and its chat template (what
     ``transformers.AutoTokenizer`` reads besides ``tokenizer.json``: without it, a converted directory's tokenizer
     has no eos, bos or pad token and no chat template). ``None`` for a file without a tokenizer."""
-    from tformer.interop.hf import special_tokens
+    from tformer.interop.hf import SPECIAL_IDS, special_tokens
 
     tokens = file.field("tokenizer.ggml.tokens")
     if tokens is None:
         return None
     tokens = list(tokens)
     unknown = file.field("tokenizer.ggml.unknown_token_id")
-    ids = {f"{name}_token": config[f"{name}_token_id"] for name in ("bos", "eos", "pad")}
-    ids["unk_token"] = None if unknown is None else int(unknown)
+    ids = {**{k: config[k] for k in SPECIAL_IDS}, "unk_token_id": None if unknown is None else int(unknown)}
     out: dict[str, Any] = special_tokens(tokens.__getitem__, ids)
     template = file.field("tokenizer.chat_template")
     if template is not None:

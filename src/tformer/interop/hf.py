@@ -22,6 +22,7 @@ from tformer.interop.keys import InteropError
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 GENERATION = "generation_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # stated in config.json, even when null
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -96,10 +97,10 @@ def generation_ids(config: dict[str, Any], generation: dict[str, Any] | None) ->
 
 
 def special_tokens(token: Callable[[int], str | None], ids: dict[str, int | None]) -> dict[str, str]:
-    """``tokenizer_config.json``'s special tokens by name, e.g. ``{"eos_token": "<|im_end|>"}``, from ``ids``
-    (``{"eos_token": 2, ...}``) and ``token(id)``, the vocabulary's piece: ``transformers.AutoTokenizer`` knows a
-    tokenizer's eos, bos and pad from these, not from ``config.json``'s ids. ``None`` ids are left out."""
-    named = {name: token(i) for name, i in ids.items() if i is not None}
+    """``tokenizer_config.json``'s special tokens by name, e.g. ``{"eos_token": "<|im_end|>"}``, from config-style
+    ``ids`` (``{"eos_token_id": 2, ...}``) and ``token(id)``, the vocabulary's piece: ``transformers.AutoTokenizer``
+    knows a tokenizer's eos, bos and pad from these, not from ``config.json``'s ids. ``None`` ids are left out."""
+    named = {name.removesuffix("_id"): token(i) for name, i in ids.items() if i is not None}
     return {name: piece for name, piece in named.items() if piece is not None}
 
 
