@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from tformer import kernels
+from tformer import fused, kernels
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
 from tformer.layers import BlockStack, LayerCache, Linear, Pooler, StaticKVCache, init_weights, make_norm
@@ -235,6 +235,10 @@ class _EmbeddedStack(nn.Module):
             self_mask = self_mask & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
         rope = self.rotary(positions) if self.rotary is not None else None  # tables reserved by the caller
         x = self.embed(ids, positions)  # (B, T, C)
+        if fused.applies(self.stack.blocks, x, caches):  # a decode step: each block one kernel call (:mod:`fused`)
+            for block, layer in zip(self.stack.blocks, caches, strict=True):
+                x = fused.step(block, x, layer.self_kv, keys, rope)
+            return self.stack.final_norm(x)
         return self.stack(
             x, caches=caches, self_mask=self_mask, is_causal=False, positions=positions, rope=rope, **kwargs
         )

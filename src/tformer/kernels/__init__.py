@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp", "block.cpp"))
+HEADERS = (Path(__file__).with_name("kernels.h"),)  # not compiled on their own, but part of the build's hash
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
 _ON = [os.environ.get("TFORMER_KERNELS", "1") != "0"]
 _ONEDNN: list[bool | None] = [None]  # PyTorch's oneDNN linear op: None = not looked up yet
@@ -81,7 +82,7 @@ def _cflags() -> list[str]:
 
 
 def build_name(cflags: list[str]) -> str:
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)))
     for part in (*cflags, torch.__version__, _cpu_flags()):
         digest.update(b"\0" + part.encode())
     return f"tformer_kernels_{digest.hexdigest()[:16]}"
@@ -112,6 +113,7 @@ def ready() -> bool:
         torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
         torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
+        torch.library.register_fake("tformer::decode_block")(_block_shape)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         message = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]  # the compiler's own
@@ -137,6 +139,10 @@ def _int8_shape(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) ->
 
 def _attention_shape(query: Tensor, key: Tensor, value: Tensor, mask, is_causal: bool, scale: float) -> Tensor:
     return query.new_empty(*query.shape[:-1], value.shape[-1])  # (B, H, L, Dv), contiguous
+
+
+def _block_shape(x: Tensor, *args) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # x' (B, 1, C); the caches change in place
 
 
 def build_error() -> str | None:
@@ -187,6 +193,12 @@ def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     if bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu"):
         return False
     return _decode_call(x, weight, _asks_grad(x, weight, bias))
+
+
+def uses_block_kernel() -> bool:
+    """Whether ``tformer::decode_block`` (a decode step of a whole block, :mod:`tformer.fused`) may run: the kernels
+    turned on and built (the tensors are :func:`tformer.fused.applies`' to check)."""
+    return _ON[0] and ready()
 
 
 def uses_int8_kernel(x: Tensor, codes: Tensor) -> bool:
@@ -287,6 +299,7 @@ __all__ = [
     "paths",
     "ready",
     "uses_attention_kernel",
+    "uses_block_kernel",
     "uses_int8_kernel",
     "uses_kernel",
     "uses_onednn",

@@ -40,6 +40,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -63,7 +65,8 @@
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using tformer_kernels::bf16;
+using tformer_kernels::Floats;
 constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one accumulator each)
 constexpr int64_t kPrefetchRows = 8;  // rows of W requested ahead of the one being read
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
@@ -275,21 +278,22 @@ void pass(const bf16* x, const float* xf, const bf16* w, const bf16* bias, bf16*
 #endif
 }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const auto body = [](const bf16* xp, const bf16* wp, const bf16* bp, bf16* yp, int64_t M, int64_t K, int64_t N) {
-    std::vector<float> xf;  // x in float32 for the paths without bfloat16 arithmetic
+void bf16_all_rows(const bf16* xp, const bf16* wp, const bf16* bp, bf16* yp, int64_t M, int64_t K, int64_t N) {
+  std::vector<float> xf;  // x in float32 for the paths without bfloat16 arithmetic
 #if defined(TFORMER_AVX2_BF16)
-    xf = split_even_odd(xp, M, K);
+  xf = split_even_odd(xp, M, K);
 #elif !defined(TFORMER_AVX512_BF16)
-    xf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+  xf.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
 #endif
-    over_rows(M, N, K * 2, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
-      const float* xfr = xf.empty() ? nullptr : xf.data() + r0 * K;
-      pass<decltype(rows)::value>(xp + r0 * K, xfr, wp, bp, yp + r0 * N, K, N, n0, n1);
-    });
-  };
-  return linear_op<bf16>("gemv_bf16", "bfloat16", at::kBFloat16, x, weight, bias, body);
+  over_rows(M, N, K * 2, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
+    const float* xfr = xf.empty() ? nullptr : xf.data() + r0 * K;
+    pass<decltype(rows)::value>(xp + r0 * K, xfr, wp, bp, yp + r0 * N, K, N, n0, n1);
+  });
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return linear_op<bf16>("gemv_bf16", "bfloat16", at::kBFloat16, x, weight, bias, bf16_all_rows);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -302,16 +306,6 @@ inline __m256 widen8(const int8_t* codes) {  // 8 int8 -> float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
 }
 #endif
-
-// A float32 or bfloat16 vector read as float32 (the scales and the bias, in the model's dtype: no conversion call).
-struct Floats {
-  const void* data = nullptr;
-  bool is_bf16 = false;
-  float operator[](int64_t i) const {
-    return is_bf16 ? static_cast<float>(static_cast<const bf16*>(data)[i]) : static_cast<const float*>(data)[i];
-  }
-  explicit operator bool() const { return data != nullptr; }
-};
 
 // Weight-only int8: out[r, n] = (sum_k xf[r, k] q[n, k]) * scale[n] + bias[n], xf float32 (R rows of K).
 template <int R, typename Out>
@@ -496,13 +490,14 @@ void rows_f32(const float* x, const float* w, const float* bias, float* y, int64
   }
 }
 
+void f32_all_rows(const float* xp, const float* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N) {
+  over_rows(M, N, K * 4, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
+    rows_f32<decltype(rows)::value>(xp + r0 * K, wp, bp, yp + r0 * N, K, N, n0, n1);
+  });
+}
+
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const auto body = [](const float* xp, const float* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N) {
-    over_rows(M, N, K * 4, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
-      rows_f32<decltype(rows)::value>(xp + r0 * K, wp, bp, yp + r0 * N, K, N, n0, n1);
-    });
-  };
-  return linear_op<float>("gemv_f32", "float32", at::kFloat, x, weight, bias, body);
+  return linear_op<float>("gemv_f32", "float32", at::kFloat, x, weight, bias, f32_all_rows);
 }
 
 // Which paths this build took, e.g. "bf16=avx512_bf16 int8=avx512"
@@ -531,6 +526,23 @@ std::string gemv_paths() {
 }
 
 }  // namespace
+
+namespace tformer_kernels {
+void gemv_bf16_into(const bf16* x, const bf16* w, const bf16* b, bf16* y, int64_t M, int64_t K, int64_t N) {
+  bf16_all_rows(x, w, b, y, M, K, N);
+}
+void gemv_f32_into(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N) {
+  f32_all_rows(x, w, b, y, M, K, N);
+}
+void gemv_int8_into(const float* xf, const int8_t* q, Floats scale, Floats bias, bf16* y, int64_t M, int64_t K,
+                    int64_t N) {
+  int8_all_rows(xf, q, scale, bias, y, M, K, N);
+}
+void gemv_int8_into(const float* xf, const int8_t* q, Floats scale, Floats bias, float* y, int64_t M, int64_t K,
+                    int64_t N) {
+  int8_all_rows(xf, q, scale, bias, y, M, K, N);
+}
+}  // namespace tformer_kernels
 
 TORCH_LIBRARY(tformer, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

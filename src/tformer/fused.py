@@ -1,0 +1,135 @@
+"""A decode step of a Llama-style block as one kernel call (``tformer::decode_block``, ``kernels/block.cpp``).
+
+A step over a static cache (:mod:`tformer.generation.static`) reads every weight once and does little else, so its
+speed is the weights' bytes over the memory bandwidth, plus what runs between the products. Through the modules a
+SmolLM2 block is ~9 calls from Python and, compiled, ~4 inductor kernels between its 4 products: measured, 18% of a
+compiled step (BENCHMARKS.md, "Where a compiled step goes"). :func:`step` hands the whole block to one C++ op: the
+same products and attention kernels, with the norms, RoPE, the cache write, SwiGLU and the residual sums between them
+done in place; eager or compiled (a compiled step is then ~32 op calls).
+
+When (:func:`applies`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
+``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2), in eval mode; one new token per row, at
+most :data:`tformer.kernels.MAX_ROWS` rows; bfloat16 or float32 on the CPU, with the weights in that dtype or int8
+(:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.kernels.enabled`). The
+op rounds where the modules do (``block.cpp`` says where), so it is the same function: in float32 up to the order of
+float32 additions, in bfloat16 within a few roundings (the tests bound both). ``TFORMER_KERNELS=0`` or
+``kernels.enabled(False)`` turns it off with the other kernels.
+
+Shapes: B, C, S (the package legend, :mod:`tformer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer import attention, kernels
+from tformer.layers import GatedFeedForward, Linear, StaticKVCache, TransformerBlock
+from tformer.quantization import Int8Linear
+
+
+_ON = [True]
+
+
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Turn the fused step on or off inside a ``with`` block, the other kernels staying as they are (the benchmarks'
+    A/B runs); compiled graphs guard on it."""
+    before = _ON[0]
+    _ON[0] = on
+    try:
+        yield
+    finally:
+        _ON[0] = before
+
+
+def fits(block: TransformerBlock) -> bool:
+    """Whether ``block``'s structure is the one ``decode_block`` computes: Pre-LN; RMSNorms with weights; rotary
+    self-attention and no cross-attention, on the ``sdpa`` backend (``auto`` names it; another backend was asked
+    for by name); a gated SiLU feed-forward; its four projections tformer's ``Linear`` or :class:`Int8Linear`."""
+    attn, ff = block.self_attn, block.ff
+    if not block.norm_first or block.cross_attn is not None or block.training or attn.rotary is None:
+        return False
+    if attention.resolve(attn.backend).name != "sdpa":
+        return False
+    for norm in (block.self_attn_norm, block.ff_norm):
+        if not isinstance(norm, nn.RMSNorm) or norm.weight is None:
+            return False
+    if type(ff) is not GatedFeedForward or ff.activation is not F.silu:
+        return False
+    return all(isinstance(p, (Linear, Int8Linear)) for p in (attn.in_proj, attn.out_proj, ff.up, ff.down))
+
+
+def applies(blocks: nn.ModuleList, x: Tensor, caches: list) -> bool:
+    """Whether :func:`step` runs this decode step: ``x (B, 1, C)`` into the static ``caches`` of ``blocks`` (the
+    module docstring's conditions)."""
+    if not _ON[0] or x.shape[1] != 1 or x.shape[0] > kernels.MAX_ROWS or x.device.type != "cpu":
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16) or not kernels.uses_block_kernel():
+        return False
+    if caches[0].self_kv.slots is None or caches[0].self_kv.slots.numel() != 1:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in blocks.parameters())):
+        return False
+    return all(fits(block) and _dtypes_fit(block, x.dtype) for block in blocks)
+
+
+def _dtypes_fit(block: TransformerBlock, dtype: torch.dtype) -> bool:
+    """The norms' weights in the activations' dtype; each projection's weight too, or int8 codes."""
+    if block.self_attn_norm.weight.dtype != dtype or block.ff_norm.weight.dtype != dtype:
+        return False
+    for proj in _projections(block):
+        if isinstance(proj, Int8Linear):
+            continue
+        if proj.weight.dtype != dtype or (proj.bias is not None and proj.bias.dtype != dtype):
+            return False
+    return True
+
+
+def _projections(block: TransformerBlock) -> tuple[nn.Module, ...]:
+    return block.self_attn.in_proj, block.self_attn.out_proj, block.ff.up, block.ff.down
+
+
+def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if norm.eps is None else norm.eps  # nn.RMSNorm's default
+
+
+def step(block: TransformerBlock, x: Tensor, cache: StaticKVCache, keys: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """``block(x)`` for one new token per row, ``x (B, 1, C)``: its key and value go to column ``cache.slots`` of
+    ``cache``; it attends to the columns ``j <= slot`` that ``keys (B, S)`` marks. ``rope``: the token's angles,
+    ``cos, sin`` of ``B * D/2`` values (:class:`tformer.positions.RotaryEmbedding`)."""
+    attn = block.self_attn
+    if cache.k is None:  # a one-token prompt: the first write allocates the storage, as StaticKVCache.update does
+        shape = (x.shape[0], attn.num_kv_heads, cache.capacity, attn.head_dim)
+        cache.k, cache.v = x.new_zeros(shape), x.new_zeros(shape)
+    weights, scales, biases = [], [], []
+    for proj in _projections(block):
+        quantized = isinstance(proj, Int8Linear)
+        weights.append(proj.codes if quantized else proj.weight)
+        scales.append(proj.scale if quantized else None)
+        biases.append(proj.bias)
+    norms = (block.self_attn_norm, block.ff_norm)
+    cos, sin = rope
+    return torch.ops.tformer.decode_block(
+        x,
+        [norm.weight for norm in norms],
+        [_eps(norm, x.dtype) for norm in norms],
+        weights,
+        scales,
+        biases,
+        cos,
+        sin,
+        cache.k,
+        cache.v,
+        cache.slots,
+        keys,
+        attn.num_heads,
+        attn.rotary.interleaved,
+    )
+
+
+__all__ = ["applies", "enabled", "fits", "step"]

@@ -1,0 +1,70 @@
+// What tformer's kernel files share: the matrix-vector products (gemv.cpp) and decode attention (attention.cpp) on
+// raw, contiguous data, for block.cpp's decode step of a whole block. Each function runs its own parallel region on
+// torch's OpenMP pool, as the ops of those files do (they call the same code).
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace tformer_kernels {
+
+using bf16 = c10::BFloat16;
+
+// A float32 or bfloat16 vector read as float32 (int8 scales and biases, in the model's dtype).
+struct Floats {
+  const void* data = nullptr;
+  bool is_bf16 = false;
+  float operator[](int64_t i) const {
+    return is_bf16 ? static_cast<float>(static_cast<const bf16*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+  explicit operator bool() const { return data != nullptr; }
+};
+
+// exp(x) for x <= 0 (softmax numerators after the max is subtracted; a sigmoid's e^-|x|): x = n ln2 + r, |r| <= ln2/2, e^x = 2^n e^r.
+// Written without branches so a loop of it vectorizes; below -87 the result is 0 or the smallest normals (it is
+// never used there except as a weight that the sum makes negligible).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);  // round(x / ln 2)
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2 in two parts: exact first product
+  // e^r = 1 + r + r^2 P(r), P of degree 5 fitted to (e^r - 1 - r) / r^2 on [-ln2/2, ln2/2] (near 1/2, 1/6, 1/24, ...)
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float32 (n >= -126 here)
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return er * two_n;
+}
+
+// y (M, N) = x (M, K) W (N, K)^T (+ b (N,)), one rounding to the output's dtype after the bias; M <= 4 is what the
+// kernels are made for (more rows work, in passes of 4).
+void gemv_bf16_into(const bf16* x, const bf16* w, const bf16* b, bf16* y, int64_t M, int64_t K, int64_t N);
+void gemv_f32_into(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N);
+// y = (xf Q^T) * scale (+ bias) for int8 codes Q (N, K), xf (M, K) in float32 (a bfloat16 x widened by the caller).
+void gemv_int8_into(const float* xf, const int8_t* q, Floats scale, Floats bias, bf16* y, int64_t M, int64_t K,
+                    int64_t N);
+void gemv_int8_into(const float* xf, const int8_t* q, Floats scale, Floats bias, float* y, int64_t M, int64_t K,
+                    int64_t N);
+
+// One query row per head against a key/value cache: out[b, h] = softmax(q[b, h] . K[b, h / (H / Hkv), j] * scale) V
+// over the columns j < limit with keys[b * keys_stride + j] true. q (B, H, D): its heads contiguous, its rows q_stride
+// elements apart; out (B, H, D) contiguous; the caches (B, Hkv, S, D) with strides cs0, cs1, cs2 (in elements; the
+// last dimension contiguous). Float32 inside, one rounding.
+void decode_attention_into(const bf16* q, const bf16* k, const bf16* v, int64_t cs0, int64_t cs1, int64_t cs2,
+                           int64_t q_stride, const bool* keys, int64_t keys_stride, int64_t limit, int64_t B,
+                           int64_t H, int64_t Hkv, int64_t D, float scale, bf16* out);
+void decode_attention_into(const float* q, const float* k, const float* v, int64_t cs0, int64_t cs1, int64_t cs2,
+                           int64_t q_stride, const bool* keys, int64_t keys_stride, int64_t limit, int64_t B,
+                           int64_t H, int64_t Hkv, int64_t D, float scale, float* out);
+
+}  // namespace tformer_kernels
