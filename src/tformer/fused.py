@@ -31,7 +31,6 @@ from tformer import attention, kernels
 from tformer.layers import GatedFeedForward, Linear, StaticKVCache, TransformerBlock
 from tformer.quantization import Int8Linear
 
-
 _ON = [True]
 
 
