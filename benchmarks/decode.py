@@ -4,14 +4,14 @@
   round) and, per setting, the bound ``bandwidth / bytes per token``. The host's bandwidth drifts, so two shares
   of the bound: the best rate against the highest reading of the run (conservative: the host's best moment), and
   the paired share, each round's rate against the reading taken next to it (median and range over the rounds).
-* SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16
-  on PyTorch's ``F.linear`` and attention (``tformer.kernels`` off) and on tformer's decode kernels, compiled
-  bfloat16, eager and compiled int8 (bfloat16 activations), and ``transformers.generate`` in float32 and bfloat16.
-  The decode rate
-  excludes prefill: (time for N tokens - time for 1) / (N - 1), each time the best of ``--repeats`` rounds in which
-  the settings take turns (run one after another, each setting's ~30 s met another state of the host: the
-  bandwidth moved 70.6 -> 45.3 GB/s within one run). Compiled runs are timed after a first, compiling call (its
-  wall time is reported: the compile cost).
+* SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16 on
+  PyTorch's ``F.linear`` and attention (``tformer.kernels`` off) and on tformer's decode kernels, eager bfloat16 over
+  a static cache (each block one ``tformer::decode_block`` call, :mod:`tformer.fused`), compiled bfloat16 with the
+  fused blocks off (the modules' graph) and on, eager and compiled int8 (bfloat16 activations), and
+  ``transformers.generate`` in float32 and bfloat16. The decode rate excludes prefill: (time for N tokens - time for
+  1) / (N - 1), each time the best of ``--repeats`` rounds in which the settings take turns (run one after another,
+  each setting's ~30 s met another state of the host: the bandwidth moved 70.6 -> 45.3 GB/s within one run). Compiled
+  runs are timed after a first, compiling call (its wall time is reported: the compile cost).
 * The demo-size model (0.84M parameters, random weights): compiled against eager per-token time, and compiled with
   every step through dynamo (``tformer.generation.static.REPLAY`` off: what ``StaticLM.replay`` saves), the
   settings' runs alternated ``--demo-repeats`` times (each takes ~0.2 s, so host noise would otherwise decide the
@@ -33,7 +33,7 @@ from functools import partial
 import torch
 from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir, paired_shares
 
-from tformer import DecoderLM, TransformerConfig, generate, kernels, load_pretrained, quantize
+from tformer import DecoderLM, TransformerConfig, fused, generate, kernels, load_pretrained, quantize
 from tformer.generation import static
 from tformer.generation.static import LAST_TIMINGS
 
@@ -45,8 +45,8 @@ def decode_rate(run, new: int, repeats: int) -> float:
     return (new - 1) / (t_new - t_one)
 
 
-def ours(model, prompts, compile: bool = False):
-    return lambda n: generate(model, prompts, max_new_tokens=n, greedy=True, compile=compile)
+def ours(model, prompts, compile: bool = False, static_cache: bool = False):
+    return lambda n: generate(model, prompts, max_new_tokens=n, greedy=True, compile=compile, static_cache=static_cache)
 
 
 def theirs(hf, prompt_ids: torch.Tensor):
@@ -96,23 +96,31 @@ def main() -> None:
         hf32 = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=GGUF, dtype=torch.float32)
         hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
         ids = torch.tensor([prompt])
-        rows = {  # name: (run, weights it reads, kernels on)
-            "tformer eager float32": (ours(f32, [prompt]), f32, True),
+        rows = {  # name: (run, weights it reads, kernels on, fused blocks on)
+            "tformer eager float32": (ours(f32, [prompt]), f32, True, True),
             "tformer eager bfloat16, PyTorch's F.linear and attention (kernels off)": (
                 ours(bf16, [prompt]),
                 bf16,
                 False,
+                False,
             ),
-            "tformer eager bfloat16": (ours(bf16, [prompt]), bf16, True),
-            "tformer compiled bfloat16": (ours(bf16, [prompt], True), bf16, True),
-            "tformer eager int8 (bfloat16 activations)": (ours(int8, [prompt]), int8, True),
-            "tformer compiled int8 (bfloat16 activations)": (ours(int8, [prompt], True), int8, True),
-            "transformers generate float32": (theirs(hf32.eval(), ids), f32, True),
-            "transformers generate bfloat16": (theirs(hf16.eval(), ids), bf16, True),
+            "tformer eager bfloat16": (ours(bf16, [prompt]), bf16, True, True),
+            "tformer eager bfloat16, static cache (fused blocks)": (
+                ours(bf16, [prompt], static_cache=True),
+                bf16,
+                True,
+                True,
+            ),
+            "tformer compiled bfloat16, modules (fused blocks off)": (ours(bf16, [prompt], True), bf16, True, False),
+            "tformer compiled bfloat16": (ours(bf16, [prompt], True), bf16, True, True),
+            "tformer eager int8 (bfloat16 activations)": (ours(int8, [prompt]), int8, True, True),
+            "tformer compiled int8 (bfloat16 activations)": (ours(int8, [prompt], True), int8, True, True),
+            "transformers generate float32": (theirs(hf32.eval(), ids), f32, True, True),
+            "transformers generate bfloat16": (theirs(hf16.eval(), ids), bf16, True, True),
         }
         firsts, weights, times, readings = {}, {}, {}, [bw]
-        for name, (run, model, on) in rows.items():
-            with kernels.enabled(on):
+        for name, (run, model, on, blocks) in rows.items():
+            with kernels.enabled(on), fused.enabled(blocks):
                 if name.startswith("tformer"):
                     firsts[name] = first_call(run, new)  # compiled: the compile; and warm-up for the rest
                 first_call(run, 1)
@@ -120,8 +128,8 @@ def main() -> None:
             times[name] = [float("inf"), float("inf")]
         paired = {name: [] for name in rows}  # per round: (decode rate, bandwidth read next to it)
         for _ in range(args.repeats):  # the settings take turns, so a drift of the host's bandwidth hits them all
-            for name, (run, _, on) in rows.items():
-                with kernels.enabled(on):
+            for name, (run, _, on, blocks) in rows.items():
+                with kernels.enabled(on), fused.enabled(blocks):
                     t_new, t_one = best(lambda run=run: run(new), 1), best(lambda run=run: run(1), 1)
                 times[name] = [min(times[name][0], t_new), min(times[name][1], t_one)]
                 readings.append(bandwidth(3))

@@ -27,9 +27,10 @@ LAYERS = {
     "attention": 1,
     "positions": 2,
     "layers": 2,
+    "quantization": 2,  # int8 layers: the kernels below, nothing of the models
+    "fused": 2,  # a block's decode step as one kernel call: the layers and quantization beside it
     "models": 3,
     "generation": 4,
-    "quantization": 4,
     "training": 5,
     "interop": 6,
     "experiments": 6,

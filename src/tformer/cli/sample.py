@@ -53,7 +53,8 @@ def add_cli(subparsers) -> None:
         help="torch.compile the decode step over a static cache: the same function (float32: the same tokens; in "
         "bfloat16 and float16 the compiled kernels round differently, so a near tie can pick another token). auto: "
         "on CUDA yes, on the CPU no (there the compile costs minutes; tformer.generation.static.auto_compile gives "
-        "the measured rule)",
+        "the measured rule). Not compiled, a Llama-style model on the CPU decodes over a static cache, each block one "
+        "kernel call (tformer.generation.static.auto_static_cache)",
     )
     p.set_defaults(func=_run_sample)
 
@@ -64,10 +65,11 @@ def _run_sample(args: argparse.Namespace) -> int:
         row_seeds(args.seed, 1)
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         apply_quantize(loaded.model, args.quantize)
-        from tformer.generation.static import LAST_TIMINGS, auto_compile
+        from tformer.generation.static import LAST_TIMINGS, auto_compile, auto_static_cache
 
         device = next(loaded.model.parameters()).device
         compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
+        static = not compiled and auto_static_cache(loaded.model)  # compiled decoding has a static cache already
         sample_to(
             sys.stdout,
             loaded.model,
@@ -82,6 +84,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop or None,
             compile=compiled,
+            static_cache=static,
             note=lambda message: print(f"tformer sample: note: {message}", file=sys.stderr),
         )
         if compiled:

@@ -16,6 +16,11 @@ Intel Xeon it streamed at about 90%, on an AMD EPYC (Zen 5) at 15-35% of the ban
 form streams at 77-90% at 1-4 rows and costs 1.2-1.4x less per call at the demo model's cache-resident 64-256 KB
 matrices (BENCHMARKS.md "On AMD EPYC (Zen 5)"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
 
+And a whole block. ``block.cpp`` runs a decode step of a Llama-style block as one op, ``tformer::decode_block``
+(:mod:`tformer.fused` calls it): the products and the attention above, and between them, in C++ on the calling
+thread, what the modules would have run as ~9 Python calls or, compiled, ~4 inductor kernels (norms, RoPE, the
+cache write, SwiGLU, residual sums). ``kernels.h`` is what the three files share.
+
 When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
 flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more rows (prefill, an encoder's forward,
 evaluation) go to oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when
@@ -142,7 +147,7 @@ def _attention_shape(query: Tensor, key: Tensor, value: Tensor, mask, is_causal:
 
 
 def _block_shape(x: Tensor, *args) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)  # x' (B, 1, C); the caches change in place
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # x's shape; the caches change in place
 
 
 def build_error() -> str | None:
