@@ -21,7 +21,9 @@ Shapes: B, C, S (the package legend, :mod:`tformer`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,18 +65,72 @@ def fits(block: TransformerBlock) -> bool:
     return all(isinstance(p, (Linear, Int8Linear)) for p in (attn.in_proj, attn.out_proj, ff.up, ff.down))
 
 
-def applies(blocks: nn.ModuleList, x: Tensor, caches: list) -> bool:
-    """Whether :func:`step` runs this decode step: ``x (B, 1, C)`` into the static ``caches`` of ``blocks`` (the
-    module docstring's conditions)."""
+class BlockArguments(NamedTuple):
+    """What ``decode_block`` takes of one block: the two RMSNorms' weights and eps, the four projections (q|k|v,
+    out, gate|up, down) as weights or int8 codes, their scales (int8) and biases, and the attention's shape."""
+
+    norms: list[Tensor]
+    eps: list[float]
+    weights: list[Tensor]
+    scales: list[Tensor | None]
+    biases: list[Tensor | None]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    interleaved: bool
+
+
+def arguments(block: TransformerBlock, dtype: torch.dtype) -> BlockArguments:
+    """``block``'s :class:`BlockArguments` for activations of ``dtype`` (the caller checked :func:`fits`)."""
+    attn, projections, norms = block.self_attn, _projections(block), (block.self_attn_norm, block.ff_norm)
+    quantized = [isinstance(p, Int8Linear) for p in projections]
+    return BlockArguments(
+        norms=[norm.weight for norm in norms],
+        eps=[torch.finfo(dtype).eps if norm.eps is None else norm.eps for norm in norms],  # nn.RMSNorm's default
+        weights=[p.codes if q else p.weight for p, q in zip(projections, quantized, strict=True)],
+        scales=[p.scale if q else None for p, q in zip(projections, quantized, strict=True)],
+        biases=[p.bias for p in projections],
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        interleaved=attn.rotary.interleaved,
+    )
+
+
+# A generation's first StaticKVCache -> (dtype, its blocks' arguments or None): an eager step then looks its blocks
+# up once instead of reading ~50 module attributes a block (~1,600 a SmolLM2 step, 1-2 ms from Python). A model must
+# not change during one generation except in place (what a compiled step's replay assumes too).
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> list[BlockArguments] | None:
+    """Each block's arguments when :func:`step` runs this decode step of ``x (B, 1, C)`` into the static ``caches``
+    of ``blocks`` (the module docstring's conditions), else ``None``. The blocks' structure is checked once a
+    generation (eager; a compiled graph checks it when traced)."""
     if not _ON[0] or x.shape[1] != 1 or x.shape[0] > kernels.MAX_ROWS or x.device.type != "cpu":
-        return False
+        return None
     if x.dtype not in (torch.float32, torch.bfloat16) or not kernels.uses_block_kernel():
-        return False
-    if caches[0].self_kv.slots is None or caches[0].self_kv.slots.numel() != 1:
-        return False
+        return None
+    first = caches[0].self_kv
+    if blocks.training or first.slots is None or first.slots.numel() != 1:
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in blocks.parameters())):
-        return False
-    return all(fits(block) and _dtypes_fit(block, x.dtype) for block in blocks)
+        return None
+    compiling = torch.compiler.is_compiling()
+    known = None if compiling else _PLANS.get(first)
+    if known is not None and known[0] == x.dtype:
+        return known[1]
+    plans = None
+    if all(fits(block) and _dtypes_fit(block, x.dtype) for block in blocks):
+        plans = [arguments(block, x.dtype) for block in blocks]
+    if not compiling:
+        _PLANS[first] = (x.dtype, plans)
+    return plans
+
+
+def applies(blocks: nn.ModuleList, x: Tensor, caches: list) -> bool:
+    """Whether :func:`step` runs this decode step (:func:`plan`)."""
+    return plan(blocks, x, caches) is not None
 
 
 def _dtypes_fit(block: TransformerBlock, dtype: torch.dtype) -> bool:
@@ -93,42 +149,30 @@ def _projections(block: TransformerBlock) -> tuple[nn.Module, ...]:
     return block.self_attn.in_proj, block.self_attn.out_proj, block.ff.up, block.ff.down
 
 
-def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps if norm.eps is None else norm.eps  # nn.RMSNorm's default
-
-
-def step(block: TransformerBlock, x: Tensor, cache: StaticKVCache, keys: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-    """``block(x)`` for one new token per row, ``x (B, 1, C)``: its key and value go to column ``cache.slots`` of
-    ``cache``; it attends to the columns ``j <= slot`` that ``keys (B, S)`` marks. ``rope``: the token's angles,
-    ``cos, sin`` of ``B * D/2`` values (:class:`tformer.positions.RotaryEmbedding`)."""
-    attn = block.self_attn
+def step(block: BlockArguments, x: Tensor, cache: StaticKVCache, keys: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """A block (its :class:`BlockArguments`) for one new token per row, ``x (B, 1, C)``: its key and value go to
+    column ``cache.slots`` of ``cache``; it attends to the columns ``j <= slot`` that ``keys (B, S)`` marks.
+    ``rope``: the token's angles, ``cos, sin`` of ``B * D/2`` values (:class:`tformer.positions.RotaryEmbedding`)."""
     if cache.k is None:  # a one-token prompt: the first write allocates the storage, as StaticKVCache.update does
-        shape = (x.shape[0], attn.num_kv_heads, cache.capacity, attn.head_dim)
+        shape = (x.shape[0], block.num_kv_heads, cache.capacity, block.head_dim)
         cache.k, cache.v = x.new_zeros(shape), x.new_zeros(shape)
-    weights, scales, biases = [], [], []
-    for proj in _projections(block):
-        quantized = isinstance(proj, Int8Linear)
-        weights.append(proj.codes if quantized else proj.weight)
-        scales.append(proj.scale if quantized else None)
-        biases.append(proj.bias)
-    norms = (block.self_attn_norm, block.ff_norm)
     cos, sin = rope
     return torch.ops.tformer.decode_block(
         x,
-        [norm.weight for norm in norms],
-        [_eps(norm, x.dtype) for norm in norms],
-        weights,
-        scales,
-        biases,
+        block.norms,
+        block.eps,
+        block.weights,
+        block.scales,
+        block.biases,
         cos,
         sin,
         cache.k,
         cache.v,
         cache.slots,
         keys,
-        attn.num_heads,
-        attn.rotary.interleaved,
+        block.num_heads,
+        block.interleaved,
     )
 
 
-__all__ = ["applies", "enabled", "fits", "step"]
+__all__ = ["BlockArguments", "applies", "arguments", "enabled", "fits", "plan", "step"]

@@ -151,11 +151,11 @@ def test_the_op_refuses_mismatched_arguments_by_name():
     rope = (torch.ones(1, D // 2), torch.zeros(1, D // 2))
     x = torch.zeros(1, 1, model.cfg.d_model)
     with torch.no_grad(), pytest.raises(RuntimeError, match="slot 8 outside the cache's 8 columns"):
-        fused.step(block, x, cache, keys, rope)
+        fused.step(fused.arguments(block, x.dtype), x, cache, keys, rope)
     cache.slots = torch.tensor([0])
     with torch.no_grad(), pytest.raises(RuntimeError, match="qkv weight is Double, the activations Float"):
         block.self_attn.in_proj.double()
-        fused.step(block, x, cache, keys, rope)
+        fused.step(fused.arguments(block, x.dtype), x, cache, keys, rope)
 
 
 @pytest.mark.slow
