@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -36,16 +35,10 @@ from tformer.quantization import Int8Linear
 _ON = [True]
 
 
-@contextlib.contextmanager
-def enabled(on: bool) -> Iterator[None]:
+def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
     """Turn the fused step on or off inside a ``with`` block, the other kernels staying as they are (the benchmarks'
     A/B runs); compiled graphs guard on it."""
-    before = _ON[0]
-    _ON[0] = on
-    try:
-        yield
-    finally:
-        _ON[0] = before
+    return kernels.switched(_ON, on)
 
 
 def fits(block: TransformerBlock) -> bool:

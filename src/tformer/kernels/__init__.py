@@ -164,15 +164,20 @@ def paths() -> dict[str, str] | None:
 
 
 @contextlib.contextmanager
-def enabled(on: bool) -> Iterator[None]:
-    """Turn the kernels and the oneDNN route on or off inside a ``with`` block (for A/B measurements); compiled
-    graphs guard on it."""
-    before = _ON[0]
-    _ON[0] = on
+def switched(flag: list[bool], on: bool) -> Iterator[None]:
+    """Set a one-element switch ``flag`` to ``on`` inside a ``with`` block, and back after it."""
+    before = flag[0]
+    flag[0] = on
     try:
         yield
     finally:
-        _ON[0] = before
+        flag[0] = before
+
+
+def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Turn the kernels and the oneDNN route on or off inside a ``with`` block (for A/B measurements); compiled
+    graphs guard on it."""
+    return switched(_ON, on)
 
 
 def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
@@ -303,6 +308,7 @@ __all__ = [
     "linear",
     "paths",
     "ready",
+    "switched",
     "uses_attention_kernel",
     "uses_block_kernel",
     "uses_int8_kernel",
