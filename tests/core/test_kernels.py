@@ -460,9 +460,26 @@ CHILD = textwrap.dedent(
         plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         error = (kernels.attention(q, k, v, mask, False, None).double() - exact).abs().max()
         attention_within = bool(error <= 2 * (plain.double() - exact).abs().max() + 4 * 2.0**-24 * exact.abs().max())
+    fused_within = None
+    if ready:  # a Llama-style block's decode step as one op (float32): the modules' logits, up to addition order
+        from tformer import DecoderLM, TransformerConfig, fused
+        from tformer.generation.static import StaticLM
+        torch.manual_seed(0)
+        cfg = TransformerConfig.tiny(position="rotary", norm="rms", ffn="gated", activation="silu", num_kv_heads=2)
+        lm = DecoderLM(cfg).eval()
+        with torch.no_grad():
+            for p in lm.parameters():
+                p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+        steps = []
+        for on in (True, False):
+            with fused.enabled(on), torch.inference_mode():
+                decoding = StaticLM(lm, torch.tensor([[3, 5, 7]]), None, max_new_tokens=3, compile=False)
+                decoding.prefill()
+                steps.append(decoding.step(torch.tensor([4])))
+        fused_within = bool((steps[0] - steps[1]).abs().max() < 1e-5)
     print(json.dumps({"ready": ready, "paths": kernels.paths(), "warnings": [str(c.message) for c in caught],
                       "within": within, "within_int8": within_int8, "within_f32": within_f32,
-                      "attention_within": attention_within,
+                      "attention_within": attention_within, "fused_within": fused_within,
                       "is_f_linear": bool(torch.equal(first[2], F.linear(first[0], first[1])))}))
     """
 )
@@ -493,7 +510,7 @@ def test_the_paths_without_avx512_build_and_are_within_the_same_bound(cflags):
     too, the portable C++ one. Each meets the bounds the native build's tests hold it to."""
     result = child(TFORMER_KERNEL_CFLAGS=cflags)
     assert result["ready"] and result["within"] and result["within_int8"] and result["within_f32"]
-    assert result["attention_within"] and not result["warnings"]
+    assert result["attention_within"] and result["fused_within"] and not result["warnings"]
     path = "avx2" if cflags == "-mno-avx512f" and _has_avx2_fma() else "portable"
     assert result["paths"] == {"bf16": path, "int8": path, "f32": path}
 
