@@ -2,18 +2,21 @@
 
 A step over a static cache (:mod:`tformer.generation.static`) reads every weight once and does little else, so its
 speed is the weights' bytes over the memory bandwidth, plus what runs between the products. Through the modules a
-SmolLM2 block is ~9 calls from Python and, compiled, ~4 inductor kernels between its 4 products: measured, 18% of a
-compiled step (BENCHMARKS.md, "Where a compiled step goes"). :func:`step` hands the whole block to one C++ op: the
-same products and attention kernels, with the norms, RoPE, the cache write, SwiGLU and the residual sums between them
-done in place; eager or compiled (a compiled step is then ~32 op calls).
+SmolLM2 block is ~9 calls from Python and, compiled, ~4 inductor kernels between its 4 products: 18% of a compiled
+step (BENCHMARKS.md, "Where a compiled step goes"). :func:`step` hands the whole block to one C++ op: the same
+products and attention kernels, with the norms, RoPE, the cache write, SwiGLU and the residual sums between them done
+in place; eager or compiled (a compiled step is then one call a block and the head). Measured on SmolLM2 bfloat16
+(AMD EPYC Zen 5, ``benchmarks/decode_step.py``): a compiled step 3-8% faster than the modules' graph, an eager step
+over a static cache 1.7x faster than through the modules and within 0-4% of a compiled one.
 
-When (:func:`applies`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
+When (:func:`plan`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
 ``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2), in eval mode; one new token per row, at
 most :data:`tformer.kernels.MAX_ROWS` rows; bfloat16 or float32 on the CPU, with the weights in that dtype or int8
 (:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.kernels.enabled`). The
-op rounds where the modules do (``block.cpp`` says where), so it is the same function: in float32 up to the order of
-float32 additions, in bfloat16 within a few roundings (the tests bound both). ``TFORMER_KERNELS=0`` or
-``kernels.enabled(False)`` turns it off with the other kernels.
+blocks are looked up once a generation, so the model must not change during one except in place (as for a compiled
+step's replay). The op rounds where the modules do (``block.cpp`` says where), so it is the same function: in
+float32 up to the order of float32 additions, in bfloat16 within a few roundings (the tests bound both).
+``TFORMER_KERNELS=0`` or ``kernels.enabled(False)`` turns it off with the other kernels, :func:`enabled` alone.
 
 Shapes: B, C, S (the package legend, :mod:`tformer`).
 """

@@ -91,9 +91,11 @@ def auto_compile(device: torch.device | str) -> bool:
     Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding", the rerun with the attention
     kernel): compiling SmolLM2-135M's decode took ~150 s from cold in bfloat16 for 14.9 ms/token saved (36.0 ->
     21.1, eager on tformer's kernels against compiled), ~110 s in int8 for 18.2 ms/token (31.1 -> 12.9): it pays off
-    after 6,000-10,000 tokens, more than a sampling command makes. ``--compile on`` compiles on the CPU when asked.
-    The dtype stays as saved: bfloat16 is not exact (on that CPU it decodes faster than float32, 27.8 against 19.3
-    tok/s, but it is a different function), and int8 is lossy: both only when asked.
+    after 6,000-10,000 tokens, more than a sampling command makes. Since a Llama-style block's step is one kernel call
+    (:mod:`tformer.fused`), an eager step over a static cache (:func:`auto_static_cache`) is within 0-4% of a compiled
+    one (AMD EPYC Zen 5, ``benchmarks/decode_step.py``): the compile saves even less. ``--compile on`` compiles on the
+    CPU when asked. The dtype stays as saved: bfloat16 is not exact (on that CPU it decodes faster than float32, 27.8
+    against 19.3 tok/s, but it is a different function), and int8 is lossy: both only when asked.
     """
     return torch.device(device).type == "cuda"
 
