@@ -25,8 +25,12 @@ def package_dir(name: str) -> Path:
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        name = fields["Model name"].strip()
+        if "CPU family" in fields and "Model" in fields:  # "AMD EPYC" alone names several generations
+            name += f" (family {fields['CPU family'].strip()}, model {fields['Model'].strip()})"
+        return name
+    except (OSError, subprocess.CalledProcessError, KeyError):
         return platform.processor() or "unknown CPU"
 
 

@@ -11,7 +11,7 @@
 //      read and widened once for all the task's heads (SmolLM2: 3 query heads a key/value head).
 // Keys after a row's last visible one are skipped (a static cache's unwritten columns). A row that may see no key
 // returns zeros (the library's convention). Grouped-query heads read key/value head
-// h / (H / Hkv). Tasks run on torch's OpenMP pool (at::parallel_for), inline when the problem is small.
+// h / (H / Hkv). Tasks run on torch's OpenMP pool (tformer_kernels::parallel_blocks), inline when the problem is small.
 //
 // On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
 // keys' sums reduced together), on AVX2 + FMA the same with 8 lanes; elsewhere plain C++ that the compiler
@@ -467,7 +467,7 @@ void run_raw(const T* qp, Strides qs, const T* kp, Strides ks, const T* vp, Stri
   const int64_t tasks = B * Hkv * chunks * L;
   const int64_t work = std::max<int64_t>(1, chunk * S * (D + Dv));
   const int64_t grain = std::max<int64_t>(1, 32768 / work);  // ~32k multiply-adds a thread at least: small runs inline
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+  tformer_kernels::parallel_blocks(tasks, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(chunk * S), acc(chunk * Dv);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t l = t % L, c = (t / L) % chunks, hk = (t / (L * chunks)) % Hkv, b = t / (L * chunks * Hkv);

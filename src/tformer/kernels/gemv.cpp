@@ -2,8 +2,8 @@
 //
 // A decode step reads every weight once for one token (M = 1, or a few sequences), so its matmuls are bound by the
 // bytes of W, not by arithmetic. The kernel streams W row by row, exactly once per call for up to kRowsPerPass rows
-// of x: each thread takes a contiguous block of W's rows (at::parallel_for, torch's own OpenMP pool), prefetches
-// kPrefetchRows rows ahead, and keeps one float32 accumulator per row of x. The sum is rounded to bfloat16 once, after
+// of x: each thread takes a contiguous block of W's rows (tformer_kernels::parallel_blocks, torch's own OpenMP pool),
+// prefetches kPrefetchRows rows ahead into L2, and keeps one float32 accumulator per row of x. The sum is rounded to bfloat16 once, after
 // the bias: what F.linear computes, up to the order of the float32 additions.
 //
 // Three paths, chosen when the file is compiled (-march=native, on the machine that runs it):
@@ -68,11 +68,24 @@ namespace {
 using tformer_kernels::bf16;
 using tformer_kernels::Floats;
 constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one accumulator each)
-constexpr int64_t kPrefetchRows = 8;  // rows of W requested ahead of the one being read
+// The software prefetch: how many rows of W ahead, and __builtin_prefetch's locality (3: into L1, prefetcht0; 1: into
+// L2, prefetcht2). Overridable for measuring other CPUs (TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3", see
+// benchmarks/kernel_builds.py): on an AMD EPYC Zen 4, prefetching into L1 held a compiled SmolLM2 step at 0.61 of the
+// bandwidth bound against 0.65 into L2, the step's products alone at 0.60 against 0.74 of the read bandwidth
+// (medians of 5-6 alternated processes; no prefetch, or 1-4 rows ahead into L1: 0.53-0.60). Earlier, with L1
+// prefetches: on an Intel Xeon no prefetch was 10-20% slower; on an AMD Zen 5, 0-32 rows ahead and prefetchnta were
+// alike within the noise (BENCHMARKS.md). Into L2 is not yet measured on those two.
+#ifndef TFORMER_PREFETCH_ROWS
+#define TFORMER_PREFETCH_ROWS 8
+#endif
+#ifndef TFORMER_PREFETCH_HINT
+#define TFORMER_PREFETCH_HINT 1
+#endif
+constexpr int64_t kPrefetchRows = TFORMER_PREFETCH_ROWS;  // rows of W requested ahead of the one being read
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
 constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: below, waking a thread costs more
 
-// The grain of at::parallel_for over N rows of `row_bytes`: a matrix of fewer than 2 * kBytesPerThread bytes runs
+// The grain of parallel_blocks over N rows of `row_bytes`: a matrix of fewer than 2 * kBytesPerThread bytes runs
 // on the calling thread (the demo model's 64-256 KB float32 matrices: a second thread woken for one of them costs
 // more than it saves, 5.5 against 3.6 us at 196 KB on an AMD EPYC).
 inline int64_t grain(int64_t row_bytes) {
@@ -83,7 +96,7 @@ inline int64_t grain(int64_t row_bytes) {
 // rows of x: body(n0, n1, r0, std::integral_constant<int, R>{}) for the R rows of x from r0.
 template <typename Body>
 void over_rows(int64_t M, int64_t N, int64_t row_bytes, const Body& body) {
-  at::parallel_for(0, N, grain(row_bytes), [&](int64_t n0, int64_t n1) {
+  tformer_kernels::parallel_blocks(N, grain(row_bytes), [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
       switch (std::min<int64_t>(kRowsPerPass, M - r0)) {
         case 1: body(n0, n1, r0, std::integral_constant<int, 1>{}); break;
@@ -125,9 +138,9 @@ at::Tensor linear_op(const char* op, const char* dtype_name, at::ScalarType dtyp
 // Software prefetch of row n + kPrefetchRows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
 // whole window at the block's start measured slower: it competes with the demand misses of the first rows).
 inline void prefetch_ahead(const char* block, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n) {
-  if (n + kPrefetchRows >= n1) return;
+  if (kPrefetchRows == 0 || n + kPrefetchRows >= n1) return;
   const char* row = block + (n + kPrefetchRows - n0) * row_bytes;
-  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, TFORMER_PREFETCH_HINT);
 }
 
 #ifdef TFORMER_AVX512_BF16

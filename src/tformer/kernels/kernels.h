@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -11,9 +12,41 @@
 #include <cstdint>
 #include <cstring>
 
+#if AT_PARALLEL_OPENMP && defined(_OPENMP) && !defined(TFORMER_ATEN_PARALLEL_FOR)
+#include <omp.h>
+#define TFORMER_RAW_OPENMP 1
+#endif
+
 namespace tformer_kernels {
 
 using bf16 = c10::BFloat16;
+
+// f(i0, i1) over [0, n) in contiguous blocks, one a thread of torch's pool, each at least `grain` items (fewer than
+// 2 * grain run on the calling thread, as inside another parallel region): at::parallel_for's split. Where ATen's
+// backend is OpenMP this is one `omp parallel` region of just the threads that get work, without at::parallel_for's
+// per-call bookkeeping: SmolLM2's 121 matrices of a decode step read from C++ at 0.745 of the read bandwidth through
+// at::parallel_for, 0.79 through a plain region (medians of 10 alternated passes), a compiled step at 0.653 against
+// 0.688 of its bound (5 alternated processes; AMD EPYC Zen 4). f must not throw.
+template <typename F>
+void parallel_blocks(int64_t n, int64_t grain, const F& f) {
+  if (n <= 0) return;
+#ifdef TFORMER_RAW_OPENMP
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || omp_in_parallel()) {
+    f(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = (n + threads - 1) / threads;
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t i0 = omp_get_thread_num() * chunk;
+    if (i0 < n) f(i0, std::min(n, i0 + chunk));
+  }
+#else
+  at::parallel_for(0, n, grain, f);
+#endif
+}
 
 // A float32 or bfloat16 vector read as float32 (int8 scales and biases, in the model's dtype).
 struct Floats {

