@@ -61,7 +61,8 @@ print(statistics.median(shares))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s [options] -- FLAGS [FLAGS ...]")
+    usage = "%(prog)s [options] -- FLAGS [FLAGS ...]"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bursts", type=int, default=12, help="bursts of 8 steps a process")
     parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16")
@@ -75,15 +76,23 @@ def main() -> None:
         parser.error('no builds after "--"')
     if args.rounds < 1 or args.bursts < 1:
         parser.error(f"--rounds and --bursts must be at least 1; got {args.rounds} and {args.bursts}")
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M "
-          f"{args.weights}, compiled static-cache step; {args.rounds} rounds x {args.bursts} bursts", flush=True)
+    print(
+        f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; SmolLM2-135M "
+        f"{args.weights}, compiled static-cache step; {args.rounds} rounds x {args.bursts} bursts",
+        flush=True,
+    )
     here = Path(__file__).resolve().parent
     shares: dict[str, list[float]] = {flags: [] for flags in args.flags}
     for _ in range(args.rounds):
         for flags in args.flags:
             env = dict(os.environ, TFORMER_KERNEL_CFLAGS=flags)
-            done = subprocess.run([sys.executable, "-c", CHILD, str(args.bursts), args.weights], env=env, cwd=here,
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, "-c", CHILD, str(args.bursts), args.weights],
+                env=env,
+                cwd=here,
+                capture_output=True,
+                text=True,
+            )
             if done.returncode != 0:
                 sys.exit(f"build {flags!r} failed:\n{done.stderr[-3000:]}")
             shares[flags].append(float(done.stdout.split()[-1]))
