@@ -28,6 +28,7 @@ U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
 U_F32 = 2.0**-24
 
 SHAPES = [(1, 576, 576), (1, 1536, 77), (2, 100, 5), (3, 33, 64), (4, 8, 3), (4, 24, 300), (1, 1, 1)]  # (M, I, O)
+SPLIT = (1, 576, 1001)  # rows of W split over two threads in blocks of 501 and 500 (kernels.h, parallel_blocks)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,7 +63,7 @@ def test_the_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [*SHAPES, SPLIT], ids=lambda s: "x".join(map(str, s)))
 def test_the_kernel_is_within_one_bfloat16_rounding_of_float64(shape, bias):
     x, w, b = case(*shape)
     b = b if bias else None
@@ -94,7 +95,7 @@ def test_the_float32_kernel_is_within_a_float32_sums_roundoff_of_float64(shape, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [*SHAPES, SPLIT], ids=lambda s: "x".join(map(str, s)))
 def test_the_int8_kernel_is_within_one_rounding_of_float64(shape, dtype):
     """``(x Q^T) s + b`` against float64 of the dequantized matrix ``s Q``: the float32 sum, the scale and the bias err
     by at most ``delta = (I + 2) u32 (|x| |Q|^T s + |b|)``, one rounding to ``dtype`` adds ``u (|exact| + delta)``."""
