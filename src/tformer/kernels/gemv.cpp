@@ -3,8 +3,8 @@
 // A decode step reads every weight once for one token (M = 1, or a few sequences), so its matmuls are bound by the
 // bytes of W, not by arithmetic. The kernel streams W row by row, exactly once per call for up to kRowsPerPass rows
 // of x: each thread takes a contiguous block of W's rows (tformer_kernels::parallel_blocks, torch's own OpenMP pool),
-// prefetches kPrefetchRows rows ahead into L2, and keeps one float32 accumulator per row of x. The sum is rounded to bfloat16 once, after
-// the bias: what F.linear computes, up to the order of the float32 additions.
+// prefetches kPrefetchRows rows ahead into L2, and keeps one float32 accumulator per row of x. The sum is rounded to
+// bfloat16 once, after the bias: what F.linear computes, up to the order of the float32 additions.
 //
 // Three paths, chosen when the file is compiled (-march=native, on the machine that runs it):
 //   AVX512-BF16: _mm512_dpbf16_ps multiplies 32 bfloat16 pairs exactly and adds them into 16 float32 lanes;
@@ -85,8 +85,8 @@ constexpr int64_t kPrefetchRows = TFORMER_PREFETCH_ROWS;  // rows of W requested
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
 constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: below, waking a thread costs more
 
-// The grain of parallel_blocks over N rows of `row_bytes`: a matrix of fewer than 2 * kBytesPerThread bytes runs
-// on the calling thread (the demo model's 64-256 KB float32 matrices: a second thread woken for one of them costs
+// The grain of parallel_blocks over N rows of `row_bytes`: a matrix of at most kBytesPerThread bytes runs on the
+// calling thread (the demo model's 64-256 KB float32 matrices: a second thread woken for one of them costs
 // more than it saves, 5.5 against 3.6 us at 196 KB on an AMD EPYC).
 inline int64_t grain(int64_t row_bytes) {
   return std::max<int64_t>(kGrain, (kBytesPerThread + row_bytes - 1) / std::max<int64_t>(row_bytes, 1));

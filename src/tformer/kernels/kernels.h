@@ -21,12 +21,13 @@ namespace tformer_kernels {
 
 using bf16 = c10::BFloat16;
 
-// f(i0, i1) over [0, n) in contiguous blocks, one a thread of torch's pool, each at least `grain` items (fewer than
-// 2 * grain run on the calling thread, as inside another parallel region): at::parallel_for's split. Where ATen's
-// backend is OpenMP this is one `omp parallel` region of just the threads that get work, without at::parallel_for's
-// per-call bookkeeping: SmolLM2's 121 matrices of a decode step read from C++ at 0.745 of the read bandwidth through
-// at::parallel_for, 0.79 through a plain region (medians of 10 alternated passes), a compiled step at 0.653 against
-// 0.688 of its bound (5 alternated processes; AMD EPYC Zen 4). f must not throw.
+// f(i0, i1) over [0, n) in min(threads, ceil(n / grain)) contiguous blocks of equal size (the last shorter), one a
+// thread of torch's pool; at most `grain` items, or a call inside another parallel region, run on the calling thread
+// as one block: at::parallel_for's split. Where ATen's backend is OpenMP this is one `omp parallel` region of just
+// the threads that get work, without at::parallel_for's per-call bookkeeping: SmolLM2's 121 matrices of a decode
+// step read from C++ at 0.745 of the read bandwidth through at::parallel_for, 0.79 through a plain region (medians
+// of 10 alternated passes), a compiled step at 0.653 against 0.688 of its bound (5 alternated processes; AMD EPYC
+// Zen 4). f must not throw.
 template <typename F>
 void parallel_blocks(int64_t n, int64_t grain, const F& f) {
   if (n <= 0) return;
