@@ -43,6 +43,16 @@ def best(run, repeats: int) -> float:
     return min(times)
 
 
+def huge_pages_mb() -> float | None:
+    """MB of this process's memory on transparent huge pages (``AnonHugePages``; Linux), else ``None``."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            line = next((line for line in f if line.startswith("AnonHugePages:")), None)
+    except OSError:
+        return None
+    return None if line is None else int(line.split()[1]) / 1024
+
+
 def bandwidth(repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: ``sum`` over 1 GiB of float32."""
     x = torch.ones(256 * 1024 * 1024)

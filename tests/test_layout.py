@@ -24,6 +24,7 @@ LAYERS = {
     "config": 0,
     "functional": 0,
     "kernels": 0,
+    "memory": 0,  # where a model's tensors live (one block, huge pages): torch only
     "attention": 1,
     "positions": 2,
     "layers": 2,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer import kernels
+from tformer.memory import pack_weights
 
 Scheme = Literal["int8"]
 
@@ -82,7 +83,8 @@ class Int8Linear(nn.Module):
 
 def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, and a tied output head by an
-    int8 copy of the embedding; returns ``model`` in eval mode. Embeddings and norms keep their dtype."""
+    int8 copy of the embedding; returns ``model`` in eval mode, its CPU tensors in one block of memory
+    (:func:`tformer.memory.pack_weights`). Embeddings and norms keep their dtype."""
     if scheme != "int8":
         raise ValueError(f"unknown quantization scheme {scheme!r}; tformer has 'int8' (weight-only, per channel)")
     if any(isinstance(m, Int8Linear) for m in model.modules()):
@@ -94,7 +96,7 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     decoder = getattr(model, "decoder", None)
     if hasattr(model, "head") and model.head is None and decoder is not None:  # tied: the logits read the embedding
         model.head = Int8Linear.from_weight(decoder.embed.tokens.weight)
-    return model.eval()
+    return pack_weights(model.eval())
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -110,6 +110,47 @@ def test_the_int8_kernel_is_within_one_rounding_of_float64(shape, dtype):
     assert y.dtype == dtype and ((y.double() - exact).abs() <= u * (exact.abs() + delta) + delta).all()
 
 
+def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
+    """``prefetch_rows`` only changes which addresses are requested early: every kernel gives the same bits at any
+    distance, including one past the end of a thread's rows (SPLIT: 500 and 501 rows a thread)."""
+    x, w, b = case(*SPLIT)
+    layer = Int8Linear.from_weight(w, b)
+    before = kernels.prefetch_rows()
+    assert before == kernels.default_prefetch_rows()
+    results = []
+    try:
+        for rows in (0, 1, 8, 1024):
+            assert kernels.prefetch_rows(rows) in (before, 0, 1, 8)
+            assert kernels.prefetch_rows() == rows
+            results.append(
+                (
+                    torch.ops.tformer.gemv_bf16(x, w, b),
+                    torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()),
+                    torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
+                )
+            )
+    finally:
+        kernels.prefetch_rows(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(results[0], other, strict=True))
+    for bad in (-1, 1025, 2.0, True):
+        with pytest.raises(ValueError, match="need an int from 0"):
+            kernels.prefetch_rows(bad)
+
+
+def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
+    monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "3")
+    assert kernels.default_prefetch_rows() == 3
+    monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "many")
+    with pytest.raises(ValueError, match="TFORMER_PREFETCH_ROWS='many'"):
+        kernels.default_prefetch_rows()
+    monkeypatch.delenv("TFORMER_PREFETCH_ROWS")
+    monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
+    assert kernels.default_prefetch_rows() == 0
+    monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
+    assert kernels.default_prefetch_rows() == 8
+
+
 def test_a_quantized_layer_decodes_on_the_int8_kernel_and_prefills_on_torchs():
     x, w, b = case(8, 64, 24)
     layer = Int8Linear.from_weight(w, b)

@@ -58,12 +58,14 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
     """The model at ``path`` (a tformer run or checkpoint, a Hugging Face directory or a ``.gguf`` file) on
     ``device``, in ``dtype`` (``None``: as saved); it must be a ``kind`` model and have a tokenizer."""
     from tformer.interop import is_pretrained
+    from tformer.memory import pack_weights
     from tformer.training.runtime import resolve_device
 
     if not is_pretrained(path):
         ckpt = load_run(path, kind, device, command)
         if dtype is not None:
             ckpt.model.to(torch_dtype(dtype))
+        pack_weights(ckpt.model)  # as load_pretrained does: one block of memory for decoding
         eos, start = ckpt.special_ids()
         return Loaded(ckpt.model, ckpt.tokenizer, ckpt.path, eos, start)
     from tformer.interop import MODEL_CLASSES, load_pretrained

@@ -3,7 +3,7 @@
 // A decode step reads every weight once for one token (M = 1, or a few sequences), so its matmuls are bound by the
 // bytes of W, not by arithmetic. The kernel streams W row by row, exactly once per call for up to kRowsPerPass rows
 // of x: each thread takes a contiguous block of W's rows (tformer_kernels::parallel_blocks, torch's own OpenMP pool),
-// prefetches kPrefetchRows rows ahead into L2, and keeps one float32 accumulator per row of x. The sum is rounded to
+// optionally prefetches a few rows ahead into L2, and keeps one float32 accumulator per row of x. The sum is rounded to
 // bfloat16 once, after the bias: what F.linear computes, up to the order of the float32 additions.
 //
 // Three paths, chosen when the file is compiled (-march=native, on the machine that runs it):
@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -68,20 +69,19 @@ namespace {
 using tformer_kernels::bf16;
 using tformer_kernels::Floats;
 constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one accumulator each)
-// The software prefetch: how many rows of W ahead, and __builtin_prefetch's locality (3: into L1, prefetcht0; 1: into
-// L2, prefetcht2). Overridable for measuring other CPUs (TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3", see
-// benchmarks/kernel_builds.py): on an AMD EPYC Zen 4, prefetching into L1 held a compiled SmolLM2 step at 0.61 of the
-// bandwidth bound against 0.65 into L2, the step's products alone at 0.60 against 0.74 of the read bandwidth
-// (medians of 5-6 alternated processes; no prefetch, or 1-4 rows ahead into L1: 0.53-0.60). Earlier, with L1
-// prefetches: on an Intel Xeon no prefetch was 10-20% slower; on an AMD Zen 5, 0-32 rows ahead and prefetchnta were
-// alike within the noise (BENCHMARKS.md). Into L2 is not yet measured on those two.
-#ifndef TFORMER_PREFETCH_ROWS
-#define TFORMER_PREFETCH_ROWS 8
-#endif
+// The software prefetch: each thread requests the row `prefetch_rows` rows ahead of the one it reads (0: none, the
+// hardware's prefetchers alone), into the cache __builtin_prefetch's locality names (TFORMER_PREFETCH_HINT; 1: L2,
+// prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The distance
+// is set at run time (tformer.kernels.prefetch_rows, which picks it per CPU), so that one process can compare
+// settings burst by burst (benchmarks/decode_step.py). What was measured: on an AMD EPYC Zen 4, with the weights in
+// one huge-page-backed block (tformer.memory), a compiled SmolLM2 step took 0.85-0.89 of the time without a software
+// prefetch as with 8 rows ahead into L2; with each matrix its own allocation, 0.92-0.98 (paired bursts, 3 runs).
+// Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the bound). On an Intel Xeon, no prefetch
+// was 10-20% slower than 8 rows into L1 (each matrix its own allocation; BENCHMARKS.md).
 #ifndef TFORMER_PREFETCH_HINT
 #define TFORMER_PREFETCH_HINT 1
 #endif
-constexpr int64_t kPrefetchRows = TFORMER_PREFETCH_ROWS;  // rows of W requested ahead of the one being read
+std::atomic<int64_t> prefetch_rows{8};
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
 constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: below, waking a thread costs more
 
@@ -135,11 +135,12 @@ at::Tensor linear_op(const char* op, const char* dtype_name, at::ScalarType dtyp
   return y;
 }
 
-// Software prefetch of row n + kPrefetchRows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
+// Software prefetch of row n + prefetch_rows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
 // whole window at the block's start measured slower: it competes with the demand misses of the first rows).
 inline void prefetch_ahead(const char* block, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n) {
-  if (kPrefetchRows == 0 || n + kPrefetchRows >= n1) return;
-  const char* row = block + (n + kPrefetchRows - n0) * row_bytes;
+  const int64_t ahead = prefetch_rows.load(std::memory_order_relaxed);  // a plain load, once a row
+  if (ahead == 0 || n + ahead >= n1) return;
+  const char* row = block + (n + ahead - n0) * row_bytes;
   for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, TFORMER_PREFETCH_HINT);
 }
 
@@ -549,6 +550,12 @@ std::string gemv_paths() {
 #endif
 }
 
+// The software prefetch distance in rows (see prefetch_rows): set it when rows >= 0; returns the one before.
+int64_t gemv_prefetch(int64_t rows) {
+  TORCH_CHECK(rows >= -1 && rows <= 1024, "gemv_prefetch: rows must be 0-1024 (or -1 to read it); got ", rows);
+  return rows < 0 ? prefetch_rows.load() : prefetch_rows.exchange(rows);
+}
+
 }  // namespace
 
 namespace tformer_kernels {
@@ -573,6 +580,7 @@ TORCH_LIBRARY(tformer, m) {
   m.def("gemv_int8(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_paths() -> str", &gemv_paths);
+  m.def("gemv_prefetch(int rows=-1) -> int", &gemv_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tformer, CPU, m) {
