@@ -1,16 +1,18 @@
-"""A decode step of a Llama-style block as one kernel call (``tformer::decode_block``, ``kernels/block.cpp``).
+"""A decode step of Llama-style blocks as one kernel call (``tformer::decode_blocks``, ``kernels/block.cpp``).
 
 A step over a static cache (:mod:`tformer.generation.static`) reads every weight once and does little else, so its
 speed is the weights' bytes over the memory bandwidth, plus what runs between the products. Through the modules a
 SmolLM2 block is ~9 calls from Python and, compiled, ~4 inductor kernels between its 4 products: 18% of a compiled
 step (BENCHMARKS.md, "Where a compiled step goes"). :func:`step` hands the whole block to one C++ op: the same
 products and attention kernels, with the norms, RoPE, the cache write, SwiGLU and the residual sums between them done
-in place; eager or compiled (a compiled step is then one call a block and the head). Measured on SmolLM2 bfloat16
-(AMD EPYC Zen 5, ``benchmarks/decode_step.py``): a compiled step 3-8% faster than the modules' graph, an eager step
-over a static cache 1.7x faster than through the modules and within 0-4% of a compiled one.
+in place, block after block; eager or compiled (a compiled step is then two calls: the blocks and the head).
+Measured on SmolLM2 bfloat16 (AMD EPYC Zen 5, ``benchmarks/decode_step.py``), with one call a block: a compiled step
+3-8% faster than the modules' graph, an eager step over a static cache 1.7x faster than through the modules and
+within 0-4% of a compiled one. One call for all blocks saves each block's dispatch from Python (BENCHMARKS.md).
 
 When (:func:`plan`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
-``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2), in eval mode; one new token per row, at
+``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2) and all have the same heads and RoPE
+layout, in eval mode; one new token per row, at
 most :data:`tformer.kernels.MAX_ROWS` rows; bfloat16 or float32 on the CPU, with the weights in that dtype or int8
 (:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.kernels.enabled`). The
 blocks are looked up once a generation, so the model must not change during one except in place (as for a compiled
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -45,7 +48,7 @@ def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def fits(block: TransformerBlock) -> bool:
-    """Whether ``block``'s structure is the one ``decode_block`` computes: Pre-LN; RMSNorms with weights; rotary
+    """Whether ``block``'s structure is the one ``decode_blocks`` computes: Pre-LN; RMSNorms with weights; rotary
     self-attention and no cross-attention, on the ``sdpa`` backend (``auto`` names it; another backend was asked
     for by name); a gated SiLU feed-forward; its four projections tformer's ``Linear`` or :class:`Int8Linear`."""
     attn, ff = block.self_attn, block.ff
@@ -61,9 +64,10 @@ def fits(block: TransformerBlock) -> bool:
     return all(isinstance(p, (Linear, Int8Linear)) for p in (attn.in_proj, attn.out_proj, ff.up, ff.down))
 
 
-class BlockArguments(NamedTuple):
-    """What ``decode_block`` takes of one block: the two RMSNorms' weights and eps, the four projections (q|k|v,
-    out, gate|up, down) as weights or int8 codes, their scales (int8) and biases, and the attention's shape."""
+class StackArguments(NamedTuple):
+    """What ``decode_blocks`` takes of a stack of blocks, in flat lists: per block, the two RMSNorms' weights and eps,
+    the four projections (q|k|v, out, gate|up, down) as weights or int8 codes, their scales (int8) and biases; and
+    the attention's shape, which every block shares."""
 
     norms: list[Tensor]
     eps: list[float]
@@ -76,21 +80,33 @@ class BlockArguments(NamedTuple):
     interleaved: bool
 
 
-def arguments(block: TransformerBlock, dtype: torch.dtype) -> BlockArguments:
-    """``block``'s :class:`BlockArguments` for activations of ``dtype`` (the caller checked :func:`fits`)."""
-    attn, projections, norms = block.self_attn, _projections(block), (block.self_attn_norm, block.ff_norm)
-    quantized = [isinstance(p, Int8Linear) for p in projections]
-    return BlockArguments(
-        norms=[norm.weight for norm in norms],
-        eps=[torch.finfo(dtype).eps if norm.eps is None else norm.eps for norm in norms],  # nn.RMSNorm's default
-        weights=[p.codes if q else p.weight for p, q in zip(projections, quantized, strict=True)],
-        scales=[p.scale if q else None for p, q in zip(projections, quantized, strict=True)],
-        biases=[p.bias for p in projections],
-        num_heads=attn.num_heads,
-        num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
-        interleaved=attn.rotary.interleaved,
+def arguments(blocks: Sequence[TransformerBlock], dtype: torch.dtype) -> StackArguments:
+    """The :class:`StackArguments` of ``blocks`` for activations of ``dtype`` (the caller checked :func:`fits` and
+    that the blocks share their attention's shape, :func:`_alike`)."""
+    norms, eps, weights, scales, biases = [], [], [], [], []
+    for block in blocks:
+        for norm in (block.self_attn_norm, block.ff_norm):
+            norms.append(norm.weight)
+            eps.append(torch.finfo(dtype).eps if norm.eps is None else norm.eps)  # nn.RMSNorm's default
+        for p in _projections(block):
+            quantized = isinstance(p, Int8Linear)
+            weights.append(p.codes if quantized else p.weight)
+            scales.append(p.scale if quantized else None)
+            biases.append(p.bias)
+    attn = blocks[0].self_attn
+    return StackArguments(
+        norms, eps, weights, scales, biases, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.interleaved
     )
+
+
+def _alike(blocks: Sequence[TransformerBlock]) -> bool:
+    """Whether every block has the first one's heads, head size and RoPE pair layout (one shape for the op)."""
+
+    def shape(block: TransformerBlock) -> tuple:
+        attn = block.self_attn
+        return attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.interleaved
+
+    return len({shape(block) for block in blocks}) == 1
 
 
 # A generation's first StaticKVCache -> (dtype, its blocks' arguments or None): an eager step then looks its blocks
@@ -99,8 +115,8 @@ def arguments(block: TransformerBlock, dtype: torch.dtype) -> BlockArguments:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> list[BlockArguments] | None:
-    """Each block's arguments when :func:`step` runs this decode step of ``x (B, 1, C)`` into the static ``caches``
+def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> StackArguments | None:
+    """The blocks' arguments when :func:`step` runs this decode step of ``x (B, 1, C)`` into the static ``caches``
     of ``blocks`` (the module docstring's conditions), else ``None``. The blocks' structure is checked once a
     generation (eager; a compiled graph checks it when traced)."""
     if not _ON[0] or x.shape[1] != 1 or x.shape[0] > kernels.MAX_ROWS or x.device.type != "cpu":
@@ -110,6 +126,8 @@ def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> list[BlockArguments]
     first = caches[0].self_kv
     if blocks.training or first.slots is None or first.slots.numel() != 1:
         return None
+    if any(layer.self_kv.slots is not first.slots for layer in caches):  # one column for every block, as StaticLM
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in blocks.parameters())):
         return None
     compiling = torch.compiler.is_compiling()
@@ -117,8 +135,8 @@ def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> list[BlockArguments]
     if known is not None and known[0] == x.dtype:
         return known[1]
     plans = None
-    if all(fits(block) and _dtypes_fit(block, x.dtype) for block in blocks):
-        plans = [arguments(block, x.dtype) for block in blocks]
+    if len(blocks) and all(fits(block) and _dtypes_fit(block, x.dtype) for block in blocks) and _alike(blocks):
+        plans = arguments(blocks, x.dtype)
     if not compiling:
         _PLANS[first] = (x.dtype, plans)
     return plans
@@ -145,30 +163,32 @@ def _projections(block: TransformerBlock) -> tuple[nn.Module, ...]:
     return block.self_attn.in_proj, block.self_attn.out_proj, block.ff.up, block.ff.down
 
 
-def step(block: BlockArguments, x: Tensor, cache: StaticKVCache, keys: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-    """A block (its :class:`BlockArguments`) for one new token per row, ``x (B, 1, C)``: its key and value go to
-    column ``cache.slots`` of ``cache``; it attends to the columns ``j <= slot`` that ``keys (B, S)`` marks.
-    ``rope``: the token's angles, ``cos, sin`` of ``B * D/2`` values (:class:`tformer.positions.RotaryEmbedding`)."""
-    if cache.k is None:  # a one-token prompt: the first write allocates the storage, as StaticKVCache.update does
-        shape = (x.shape[0], block.num_kv_heads, cache.capacity, block.head_dim)
-        cache.k, cache.v = x.new_zeros(shape), x.new_zeros(shape)
+def step(stack: StackArguments, x: Tensor, caches: list[StaticKVCache], keys: Tensor, rope: tuple[Tensor, Tensor]):
+    """The blocks (their :class:`StackArguments`) for one new token per row, ``x (B, 1, C)``: block ``i``'s key and
+    value go to column ``caches[i].slots`` of ``caches[i]``; each attends to the columns ``j <= slot`` that
+    ``keys (B, S)`` marks. ``rope``: the token's angles, ``cos, sin`` of ``B * D/2`` values
+    (:class:`tformer.positions.RotaryEmbedding`). Returns the last block's output ``(B, 1, C)``."""
+    for cache in caches:
+        if cache.k is None:  # a one-token prompt: the first write allocates the storage, as StaticKVCache.update does
+            shape = (x.shape[0], stack.num_kv_heads, cache.capacity, stack.head_dim)
+            cache.k, cache.v = x.new_zeros(shape), x.new_zeros(shape)
     cos, sin = rope
-    return torch.ops.tformer.decode_block(
+    return torch.ops.tformer.decode_blocks(
         x,
-        block.norms,
-        block.eps,
-        block.weights,
-        block.scales,
-        block.biases,
+        stack.norms,
+        stack.eps,
+        stack.weights,
+        stack.scales,
+        stack.biases,
         cos,
         sin,
-        cache.k,
-        cache.v,
-        cache.slots,
+        [cache.k for cache in caches],
+        [cache.v for cache in caches],
+        caches[0].slots,
         keys,
-        block.num_heads,
-        block.interleaved,
+        stack.num_heads,
+        stack.interleaved,
     )
 
 
-__all__ = ["BlockArguments", "applies", "arguments", "enabled", "fits", "plan", "step"]
+__all__ = ["StackArguments", "applies", "arguments", "enabled", "fits", "plan", "step"]

@@ -235,10 +235,9 @@ class _EmbeddedStack(nn.Module):
             self_mask = self_mask & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
         rope = self.rotary(positions) if self.rotary is not None else None  # tables reserved by the caller
         x = self.embed(ids, positions)  # (B, T, C)
-        plans = fused.plan(self.stack.blocks, x, caches)  # a decode step: each block one kernel call (:mod:`fused`)
-        if plans is not None:
-            for block, layer in zip(plans, caches, strict=True):
-                x = fused.step(block, x, layer.self_kv, keys, rope)
+        stack = fused.plan(self.stack.blocks, x, caches)  # a decode step: the blocks one kernel call (:mod:`fused`)
+        if stack is not None:
+            x = fused.step(stack, x, [layer.self_kv for layer in caches], keys, rope)
             return self.stack.final_norm(x)
         return self.stack(
             x, caches=caches, self_mask=self_mask, is_causal=False, positions=positions, rope=rope, **kwargs

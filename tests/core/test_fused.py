@@ -1,7 +1,7 @@
-"""A decode step of a Llama-style block as one kernel call (``tformer.fused``, ``tformer::decode_block``): it computes
+"""A decode step of Llama-style blocks as one kernel call (``tformer.fused``, ``tformer::decode_blocks``): it computes
 what the modules compute (float32: up to the order of float32 additions; bfloat16 and int8: erring against a float64
 oracle no more than twice what the modules' path errs), writes the same cache, runs exactly where it should, and
-compiles into a graph of one call per block."""
+compiles into a graph of one call for all blocks."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ def test_a_fused_float32_step_computes_what_the_modules_do(monkeypatch, layout, 
     model = llama(pair_layout=layout, num_kv_heads=kv_heads, qkv_bias=qkv_bias)
     calls = counting(monkeypatch)
     on, on_cache = decode(model, True)
-    assert len(calls) == 8 * model.cfg.num_layers  # every decode step, every block; prefill (9 tokens) not
+    assert len(calls) == 8  # every decode step, all blocks in one call; prefill (9 tokens) not
     off, off_cache = decode(model, False)
-    assert len(calls) == 8 * model.cfg.num_layers
+    assert len(calls) == 8
     assert (on - off).abs().max() < FLOAT32
     for (k1, v1), (k2, v2) in zip(on_cache, off_cache, strict=True):  # the same keys and values written
         assert (k1 - k2).abs().max() < FLOAT32 and (v1 - v2).abs().max() < FLOAT32
@@ -89,7 +89,7 @@ def test_int8_blocks_fuse_within_the_same_bounds(monkeypatch, dtype):
     model = quantize(llama(num_kv_heads=2).to(dtype))
     calls = counting(monkeypatch)
     on = decode(model, True)[0]
-    assert len(calls) == 8 * model.cfg.num_layers
+    assert len(calls) == 8
     off = decode(model, False)[0]
     if dtype == torch.float32:
         assert (on - off).abs().max() < FLOAT32
@@ -126,9 +126,13 @@ def test_the_fused_step_runs_only_where_it_computes_the_same_function():
         assert not any(fused.fits(block) for block in other.decoder.stack.blocks), changes
     cache = model.new_cache(16)
     for layer in cache:
-        layer.self_kv.slots = torch.zeros(1, dtype=torch.long)
+        layer.self_kv.slots = torch.zeros(1, dtype=torch.long)  # a column of its own: not the one step of all blocks
     x = torch.zeros(2, 1, model.cfg.d_model)
     with torch.no_grad():
+        assert not fused.applies(blocks, x, cache)
+        slot = torch.zeros(1, dtype=torch.long)
+        for layer in cache:
+            layer.self_kv.slots = slot  # one column for every block, as StaticLM writes
         assert fused.applies(blocks, x, cache)
         assert not fused.applies(blocks, torch.zeros(2, 2, model.cfg.d_model), cache)  # a prompt: two tokens
         assert not fused.applies(blocks, torch.zeros(kernels.MAX_ROWS + 1, 1, model.cfg.d_model), cache)
@@ -151,15 +155,17 @@ def test_the_op_refuses_mismatched_arguments_by_name():
     rope = (torch.ones(1, D // 2), torch.zeros(1, D // 2))
     x = torch.zeros(1, 1, model.cfg.d_model)
     with torch.no_grad(), pytest.raises(RuntimeError, match="slot 8 outside the cache's 8 columns"):
-        fused.step(fused.arguments(block, x.dtype), x, cache, keys, rope)
+        fused.step(fused.arguments([block], x.dtype), x, [cache], keys, rope)
     cache.slots = torch.tensor([0])
-    with torch.no_grad(), pytest.raises(RuntimeError, match="qkv weight is Double, the activations Float"):
-        block.self_attn.in_proj.double()
-        fused.step(fused.arguments(block, x.dtype), x, cache, keys, rope)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="block 1's qkv weight is Double, the activations Float"):
+        model.decoder.stack.blocks[1].self_attn.in_proj.double()
+        fused.step(fused.arguments(model.decoder.stack.blocks[:2], x.dtype), x, [cache, cache], keys, rope)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"2 norm weights and 2 eps a block \(2 for 1 blocks\)"):
+        fused.step(fused.arguments(model.decoder.stack.blocks[:2], x.dtype), x, [cache], keys, rope)
 
 
 @pytest.mark.slow
-def test_a_compiled_step_is_one_call_per_block_and_gives_eager_tokens(random_prompts):
+def test_a_compiled_step_is_one_call_for_the_blocks_and_gives_eager_tokens(random_prompts):
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
@@ -178,7 +184,7 @@ def test_a_compiled_step_is_one_call_per_block_and_gives_eager_tokens(random_pro
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             lm.step(token)
     names = [event.name for event in prof.events()]
-    assert names.count("tformer::decode_block") == model.cfg.num_layers
+    assert names.count("tformer::decode_blocks") == 1
     assert "tformer::decode_attention" not in names and "aten::rms_norm" not in names
 
 

@@ -105,8 +105,8 @@ def auto_static_cache(model: DecoderLM) -> bool:
     ``model`` runs a decode step as one kernel call there (:mod:`tformer.fused`: CPU, Llama-style blocks, the kernels
     built), else over the default, growing cache.
 
-    Why: over a static cache each block of such a model is one ``tformer::decode_block`` call, where the growing
-    cache runs its ~9 modules a block from Python. SmolLM2-135M in bfloat16 on an AMD EPYC (Zen 5), 2 threads, 256
+    Why: over a static cache the blocks of such a model are one ``tformer::decode_blocks`` call, where the growing
+    cache runs ~9 modules a block from Python. SmolLM2-135M in bfloat16 on an AMD EPYC (Zen 5), 2 threads, 256
     new tokens (``benchmarks/decode.py``): 57.6 tokens/s on the growing cache, 114.8 on the static cache, 125.7
     compiled, after a compile of ~10 s (BENCHMARKS.md, "Third session on this CPU: a block as one kernel call"). Both
     caches compute the same function: in float32 the same tokens (tested), in bfloat16 a few roundings apart, as

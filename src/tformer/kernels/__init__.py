@@ -16,10 +16,10 @@ Intel Xeon it streamed at about 90%, on an AMD EPYC (Zen 5) at 15-35% of the ban
 form streams at 77-90% at 1-4 rows and costs 1.2-1.4x less per call at the demo model's cache-resident 64-256 KB
 matrices (BENCHMARKS.md "On AMD EPYC (Zen 5)"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
 
-And a whole block. ``block.cpp`` runs a decode step of a Llama-style block as one op, ``tformer::decode_block``
-(:mod:`tformer.fused` calls it): the products and the attention above, and between them, in C++ on the calling
-thread, what the modules would have run as ~9 Python calls or, compiled, ~4 inductor kernels (norms, RoPE, the
-cache write, SwiGLU, residual sums). ``kernels.h`` is what the three files share.
+And whole blocks. ``block.cpp`` runs a decode step of a stack of Llama-style blocks as one op,
+``tformer::decode_blocks`` (:mod:`tformer.fused` calls it): the products and the attention above, and between them,
+in C++ on the calling thread, what the modules would have run as ~9 Python calls a block or, compiled, ~4 inductor
+kernels (norms, RoPE, the cache write, SwiGLU, residual sums). ``kernels.h`` is what the three files share.
 
 When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
 flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more rows (prefill, an encoder's forward,
@@ -118,7 +118,7 @@ def ready() -> bool:
         torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
         torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
-        torch.library.register_fake("tformer::decode_block")(_block_shape)
+        torch.library.register_fake("tformer::decode_blocks")(_block_shape)
         torch.ops.tformer.gemv_prefetch(default_prefetch_rows())
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
@@ -243,7 +243,7 @@ def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 
 def uses_block_kernel() -> bool:
-    """Whether ``tformer::decode_block`` (a decode step of a whole block, :mod:`tformer.fused`) may run: the kernels
+    """Whether ``tformer::decode_blocks`` (a decode step of whole blocks, :mod:`tformer.fused`) may run: the kernels
     turned on and built (the tensors are :func:`tformer.fused.applies`' to check)."""
     return _ON[0] and ready()
 
