@@ -115,13 +115,14 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
     distance, including one past the end of a thread's rows (SPLIT: 500 and 501 rows a thread)."""
     x, w, b = case(*SPLIT)
     layer = Int8Linear.from_weight(w, b)
-    before = kernels.prefetch_rows()
-    assert before == kernels.default_prefetch_rows()
+    before = kernels.prefetch_rows(), kernels.prefetch_rows(int8=True)
+    assert before == (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True))
     results = []
     try:
         for rows in (0, 1, 8, 1024):
-            assert kernels.prefetch_rows(rows) in (before, 0, 1, 8)
-            assert kernels.prefetch_rows() == rows
+            kernels.prefetch_rows(rows)
+            kernels.prefetch_rows(1024 - rows, int8=True)  # the two settings apart
+            assert (kernels.prefetch_rows(), kernels.prefetch_rows(int8=True)) == (rows, 1024 - rows)
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
@@ -130,7 +131,8 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
                 )
             )
     finally:
-        kernels.prefetch_rows(before)
+        kernels.prefetch_rows(before[0])
+        kernels.prefetch_rows(before[1], int8=True)
     for other in results[1:]:
         assert all(torch.equal(a, c) for a, c in zip(results[0], other, strict=True))
     for bad in (-1, 1025, 2.0, True):
@@ -140,15 +142,17 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
 
 def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "3")
-    assert kernels.default_prefetch_rows() == 3
+    monkeypatch.setenv("TFORMER_PREFETCH_ROWS_INT8", "0")
+    assert (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True)) == (3, 0)
+    monkeypatch.delenv("TFORMER_PREFETCH_ROWS_INT8")
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "many")
     with pytest.raises(ValueError, match="TFORMER_PREFETCH_ROWS='many'"):
         kernels.default_prefetch_rows()
     monkeypatch.delenv("TFORMER_PREFETCH_ROWS")
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
-    assert kernels.default_prefetch_rows() == 0
+    assert (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True)) == (0, 8)
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
-    assert kernels.default_prefetch_rows() == 8
+    assert (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True)) == (8, 8)
 
 
 def test_a_quantized_layer_decodes_on_the_int8_kernel_and_prefills_on_torchs():

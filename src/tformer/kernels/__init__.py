@@ -119,7 +119,8 @@ def ready() -> bool:
         torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
         torch.library.register_fake("tformer::decode_blocks")(_block_shape)
-        torch.ops.tformer.gemv_prefetch(default_prefetch_rows())
+        torch.ops.tformer.gemv_prefetch(default_prefetch_rows(), False)
+        torch.ops.tformer.gemv_prefetch(default_prefetch_rows(int8=True), True)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         message = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]  # the compiler's own
@@ -135,13 +136,14 @@ def ready() -> bool:
     return True
 
 
-def default_prefetch_rows() -> int:
-    """The software prefetch distance the kernels start with: ``TFORMER_PREFETCH_ROWS`` if set, else 0 on AMD CPUs
-    and 8 on others (:func:`prefetch_rows`)."""
-    name = "TFORMER_PREFETCH_ROWS"
+def default_prefetch_rows(int8: bool = False) -> int:
+    """The software prefetch distance the kernels start with, for float weights or (``int8``) int8 codes:
+    ``TFORMER_PREFETCH_ROWS`` (float) or ``TFORMER_PREFETCH_ROWS_INT8`` if set, else 8, except for float weights on
+    AMD CPUs: 0 (:func:`prefetch_rows`)."""
+    name = "TFORMER_PREFETCH_ROWS_INT8" if int8 else "TFORMER_PREFETCH_ROWS"
     value = os.environ.get(name)
     if value is None:
-        return 0 if "AuthenticAMD" in _cpu_vendor() else 8
+        return 0 if not int8 and "AuthenticAMD" in _cpu_vendor() else 8
     if not value.isdigit() or int(value) > 1024:
         raise ValueError(f"{name}={value!r}: need a number of rows from 0 (no software prefetch) to 1024")
     return int(value)
@@ -155,20 +157,22 @@ def _cpu_vendor() -> str:
         return platform.processor()
 
 
-def prefetch_rows(rows: int | None = None) -> int:
+def prefetch_rows(rows: int | None = None, *, int8: bool = False) -> int:
     """How many rows of a weight matrix ahead each thread of a matrix-vector kernel asks the CPU for (a software
-    prefetch into L2; 0: none, the hardware prefetchers alone); set it to ``rows`` if given. Returns the distance in
-    force before the call (0 when the kernels are not built).
+    prefetch into L2; 0: none, the hardware prefetchers alone), for float weights (bfloat16, float32) or, with
+    ``int8``, for int8 codes; set it to ``rows`` if given. Returns the distance in force before the call (0 when the
+    kernels are not built).
 
-    The default (:func:`default_prefetch_rows`) follows what was measured, on weights packed by
-    :func:`tformer.memory.pack_weights`: on an AMD EPYC (Zen 4) a compiled SmolLM2-135M step took 0.85-0.89 of its time
-    without a software prefetch as with 8 rows ahead; on an Intel Xeon, no prefetch was 10-20% slower (BENCHMARKS.md).
-    A setting of the process, read by every call (``benchmarks/decode_step.py`` compares settings burst by burst)."""
+    The defaults (:func:`default_prefetch_rows`) follow what was measured on weights packed by
+    :func:`tformer.memory.pack_weights`: on an AMD EPYC (Zen 4) a compiled SmolLM2-135M bfloat16 step took 0.85-0.92
+    of its time without a software prefetch as with 8 rows ahead, an int8 step 0.89 of its time with 8 rows ahead as
+    without; on an Intel Xeon, no prefetch was 10-20% slower (bfloat16; BENCHMARKS.md). A setting of the process, read
+    by every call (``benchmarks/decode_step.py`` compares settings burst by burst)."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 1024):
         raise ValueError(f"prefetch_rows: rows={rows!r}; need an int from 0 (no software prefetch) to 1024")
     if not ready():
         return 0
-    return int(torch.ops.tformer.gemv_prefetch(-1 if rows is None else rows))
+    return int(torch.ops.tformer.gemv_prefetch(-1 if rows is None else rows, int8))
 
 
 def _gemv_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -71,17 +71,20 @@ using tformer_kernels::Floats;
 constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one accumulator each)
 // The software prefetch: each thread requests the row `prefetch_rows` rows ahead of the one it reads (0: none, the
 // hardware's prefetchers alone), into the cache __builtin_prefetch's locality names (TFORMER_PREFETCH_HINT; 1: L2,
-// prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The distance
-// is set at run time (tformer.kernels.prefetch_rows, which picks it per CPU), so that one process can compare
-// settings burst by burst (benchmarks/decode_step.py). What was measured: on an AMD EPYC Zen 4, with the weights in
-// one huge-page-backed block (tformer.memory), a compiled SmolLM2 step took 0.85-0.89 of the time without a software
-// prefetch as with 8 rows ahead into L2; with each matrix its own allocation, 0.92-0.98 (paired bursts, 3 runs).
-// Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the bound). On an Intel Xeon, no prefetch
+// prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The
+// distance is set at run time, one for float weights (bfloat16, float32) and one for int8 codes
+// (tformer.kernels.prefetch_rows, which picks them per CPU), so that one process can compare settings burst by burst
+// (benchmarks/decode_step.py). What was measured, on an AMD EPYC Zen 4, compiled SmolLM2 steps in paired bursts: with
+// the weights in one huge-page-backed block (tformer.memory), a bfloat16 step took 0.85-0.92 of the time without a
+// software prefetch as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own allocation); an int8 step 0.89
+// of the time with 8 rows ahead as without (its loop converts codes, and the hardware prefetchers fall behind).
+// Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the bound); on an Intel Xeon, no prefetch
 // was 10-20% slower than 8 rows into L1 (each matrix its own allocation; BENCHMARKS.md).
 #ifndef TFORMER_PREFETCH_HINT
 #define TFORMER_PREFETCH_HINT 1
 #endif
-std::atomic<int64_t> prefetch_rows{8};
+enum Weights { kFloatWeights = 0, kInt8Weights = 1 };
+std::atomic<int64_t> prefetch_rows[2] = {8, 8};
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
 constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: below, waking a thread costs more
 
@@ -137,8 +140,9 @@ at::Tensor linear_op(const char* op, const char* dtype_name, at::ScalarType dtyp
 
 // Software prefetch of row n + prefetch_rows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
 // whole window at the block's start measured slower: it competes with the demand misses of the first rows).
+template <Weights kind = kFloatWeights>
 inline void prefetch_ahead(const char* block, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n) {
-  const int64_t ahead = prefetch_rows.load(std::memory_order_relaxed);  // a plain load, once a row
+  const int64_t ahead = prefetch_rows[kind].load(std::memory_order_relaxed);  // a plain load, once a row
   if (ahead == 0 || n + ahead >= n1) return;
   const char* row = block + (n + ahead - n0) * row_bytes;
   for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, TFORMER_PREFETCH_HINT);
@@ -339,7 +343,7 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qr = q + n * K;
     float sum[R];
-    prefetch_ahead(reinterpret_cast<const char*>(q + n0 * K), K, n0, n1, n);
+    prefetch_ahead<kInt8Weights>(reinterpret_cast<const char*>(q + n0 * K), K, n0, n1, n);
 #ifdef TFORMER_AVX512_INT8
     // U independent accumulators per row of x: widening and one FMA per 16 bytes would otherwise wait on the
     // FMA's latency, below the bandwidth the loads could have.
@@ -550,10 +554,12 @@ std::string gemv_paths() {
 #endif
 }
 
-// The software prefetch distance in rows (see prefetch_rows): set it when rows >= 0; returns the one before.
-int64_t gemv_prefetch(int64_t rows) {
+// The software prefetch distance in rows of float weights or of int8 codes (see prefetch_rows): set it when
+// rows >= 0; returns the one before.
+int64_t gemv_prefetch(int64_t rows, bool int8) {
   TORCH_CHECK(rows >= -1 && rows <= 1024, "gemv_prefetch: rows must be 0-1024 (or -1 to read it); got ", rows);
-  return rows < 0 ? prefetch_rows.load() : prefetch_rows.exchange(rows);
+  std::atomic<int64_t>& setting = prefetch_rows[int8 ? kInt8Weights : kFloatWeights];
+  return rows < 0 ? setting.load() : setting.exchange(rows);
 }
 
 }  // namespace
@@ -580,7 +586,7 @@ TORCH_LIBRARY(tformer, m) {
   m.def("gemv_int8(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_paths() -> str", &gemv_paths);
-  m.def("gemv_prefetch(int rows=-1) -> int", &gemv_prefetch);
+  m.def("gemv_prefetch(int rows=-1, bool int8=False) -> int", &gemv_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tformer, CPU, m) {
