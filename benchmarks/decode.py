@@ -6,7 +6,7 @@
   the paired share, each round's rate against the reading taken next to it (median and range over the rounds).
 * SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16 on
   PyTorch's ``F.linear`` and attention (``tformer.kernels`` off) and on tformer's decode kernels, eager bfloat16 over
-  a static cache (each block one ``tformer::decode_block`` call, :mod:`tformer.fused`), compiled bfloat16 with the
+  a static cache (the blocks one ``tformer::decode_blocks`` call, :mod:`tformer.fused`), compiled bfloat16 with the
   fused blocks off (the modules' graph) and on, eager and compiled int8 (bfloat16 activations), and
   ``transformers.generate`` in float32 and bfloat16. The decode rate excludes prefill: (time for N tokens - time for
   1) / (N - 1), each time the best of ``--repeats`` rounds in which the settings take turns (run one after another,

@@ -3,9 +3,10 @@ memory-bandwidth bound, one process per build, the builds alternated.
 
 The kernels are compiled on first use with ``-march=native``, and ``TFORMER_KERNEL_CFLAGS`` adds flags (each set of
 flags is its own cached build). The files read some of those flags as knobs for measuring a CPU:
-``-DTFORMER_PREFETCH_ROWS=N`` and ``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: how far ahead, and into which cache, the
-matrix-vector loops prefetch the weights) and ``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of
-a plain OpenMP region). Which setting is fastest is a fact about one CPU; this script is how the defaults were chosen.
+``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: into which cache the matrix-vector loops prefetch the weights; how far ahead
+is a run-time setting, ``tformer.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` sets for a process),
+and ``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of a plain OpenMP region). Which setting is
+fastest is a fact about one CPU; this script is how the defaults were chosen.
 
 Each process loads the model, compiles a static-cache step (``generate(..., compile=True)``'s), and runs ``--bursts``
 bursts of 8 steps, each between two readings of the read bandwidth (a ``sum`` over 1 GiB); it reports the median over
