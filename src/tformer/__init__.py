@@ -102,6 +102,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq
     from tformer.interop import Pretrained, embed, load_pretrained, save_pretrained
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
+    from tformer.memory import pack_weights
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
     from tformer.quantization import quantize
     from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
