@@ -72,12 +72,17 @@ _ONEDNN: list[bool | None] = [None]  # PyTorch's oneDNN linear op: None = not lo
 ONEDNN_MIN_MACS = 1 << 22
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(*fields: str) -> str:
+    """The first line of ``/proc/cpuinfo`` naming one of ``fields``; off Linux, ``platform.processor()``."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line for line in f if line.startswith(fields)), "")
     except OSError:
         return platform.processor()
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags", "Features")
 
 
 def _cflags() -> list[str]:
@@ -150,11 +155,7 @@ def default_prefetch_rows(int8: bool = False) -> int:
 
 
 def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return platform.processor()
+    return _cpuinfo("vendor_id")
 
 
 def prefetch_rows(rows: int | None = None, *, int8: bool = False) -> int:

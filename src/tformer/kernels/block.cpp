@@ -191,8 +191,11 @@ struct Shape {
   bool interleaved;
 };
 
-// Scratch of one step: h (C), q|k|v (Nqkv), attention output (C), a projection's output (C), g|u (2F), silu(g) u
-// (F), per row; reused by the calls of this thread (no allocation per block).
+// Scratch of one step, in values: h (C), q|k|v (Nqkv), attention output (C), a projection's output (C), g|u (2F),
+// silu(g) u (F), per row (block_step lays it out in this order).
+inline int64_t step_scratch(int64_t B, int64_t C, int64_t Nqkv, int64_t F) { return B * (3 * C + Nqkv + 3 * F); }
+
+// n values of T reused by the calls of this thread (no allocation per block or step).
 template <typename T>
 T* scratch(size_t n) {
   thread_local std::vector<T> buffer;
@@ -295,9 +298,9 @@ at::Tensor run(const at::Tensor& x, at::TensorList norms, at::ArrayRef<double> e
 
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty(x.sizes(), xc.options());
-  const int64_t Nqkv = (sh.H + 2 * sh.Hkv) * D;
-  T* work = scratch<T>(B * (5 * C + Nqkv + 3 * F));  // the step's scratch, then two rows of x between blocks
-  T* between[2] = {work + B * (3 * C + Nqkv + 3 * F), work + B * (4 * C + Nqkv + 3 * F)};
+  const int64_t step = step_scratch(B, C, (sh.H + 2 * sh.Hkv) * D, F);  // the widest block's
+  T* work = scratch<T>(step + 2 * B * C);  // the step's scratch, then two rows of x between blocks
+  T* between[2] = {work + step, work + step + B * C};
   thread_local std::vector<float> widened, gate;
   const Floats cs = floats(cos), sn = floats(sin);
   const T* in = xc.const_data_ptr<T>();
