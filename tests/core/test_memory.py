@@ -49,6 +49,13 @@ def test_packing_keeps_every_tensor_and_lays_them_out_in_one_block_in_module_ord
     assert [t.data_ptr() for t in tensors_of(model)] == pointers
 
 
+def test_tensors_of_odd_sizes_each_start_on_a_cache_line():
+    model = pack_weights(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5)))  # 60, 20, 20, 20 bytes
+    pointers = [t.data_ptr() for t in tensors_of(model)]
+    assert pointers[0] % HUGE_PAGE == 0 and all(p % ALIGN == 0 for p in pointers)
+    assert [b - a for a, b in zip(pointers, pointers[1:])] == [ALIGN] * 3  # each padded to the next line, no more
+
+
 def test_tied_tensors_are_packed_once_and_views_stay_views():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight  # tied, as an LM head
