@@ -354,15 +354,78 @@ def test_the_attention_kernel_errs_no_more_than_pytorchs_attention_against_float
     assert error <= 2 * plain_error + 4 * U_F32 * seen
 
 
+@pytest.mark.parametrize("shape", [(2, 12, 3, 2, 70, 64, 48), (1, 12, 1, 1, 300, 64, 48)], ids=["rows", "pieces"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_query_heads_sharing_a_mask_attend_as_each_head_alone(dtype):
+def test_grouped_query_heads_sharing_a_mask_attend_as_each_head_alone(dtype, shape):
     """Heads of one key/value head that share a mask go through the kernel together (each value row read once for
     the group); with a mask of their own, one by one. The per-head arithmetic is the same, in the same order: equal
-    bitwise."""
-    q, k, v, mask = attention_case((2, 12, 3, 2, 70, 64, 48), dtype, seed=3)
+    bitwise; also where a row's keys are cut into pieces (the cut does not depend on how heads go together)."""
+    q, k, v, mask = attention_case(shape, dtype, seed=3)
     together = kernels.attention(q, k, v, mask, False, None)  # mask (B, 1, L, S): one mask for every head
     one_by_one = kernels.attention(q, k, v, mask.expand(-1, 12, -1, -1).contiguous(), False, None)
     assert torch.equal(together, one_by_one)
+
+
+def long_rows_case(keys: int, seed: int):
+    """One query row of 3 heads on one key/value head (B * Hkv * L = 1): the kernel cuts its keys into 4 pieces."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(1, 3, 1, 32, generator=g),
+        torch.randn(1, 1, keys, 32, generator=g),
+        torch.randn(1, 1, keys, 32, generator=g),
+    )
+    return q, k, v, torch.ones(1, 1, 1, keys, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("case", ["all", "left padding", "top in the last piece", "one key in the tail", "random"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_keys_cut_into_pieces_merge_to_its_softmax(case, dtype):
+    """With few (batch, key/value head, query row)s, each row's keys are cut into pieces (the two threads of a
+    SmolLM2 step would otherwise get 2 tasks and 1), each piece's sums taken against its own largest score and merged
+    by rescaling. Pieces that see no key (left padding: the first 700 of 1000 keys masked), the largest score in the
+    last piece (every piece's scale differs from the row's), a single visible key: the bound of the test against
+    float64 above."""
+    q, k, v, mask = long_rows_case(1000, seed=11)
+    if case == "left padding":
+        mask[..., :700] = False
+    elif case == "top in the last piece":
+        k[0, 0, 990] = 4 * q[0, 0, 0]  # a score ~4x the others' largest for head 0
+    elif case == "one key in the tail":
+        mask[..., :] = False
+        mask[..., 871] = True
+    elif case == "random":
+        mask = torch.rand(1, 1, 1, 1000, generator=torch.Generator().manual_seed(2)) < 0.3
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    exact = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    out = kernels.attention(q, k, v, mask, False, None)
+    with kernels.enabled(False):
+        plain = sdpa_attention(q, k, v, mask)
+    error, plain_error = (out.double() - exact).abs().max(), (plain.double() - exact).abs().max()
+    assert error <= 2 * plain_error + 4 * U_F32 * exact.abs().amax()
+    if case == "one key in the tail":
+        assert torch.equal(out[0, :, 0], v[0, 0, 871].expand(3, 32))  # softmax over one key: that key's value
+
+
+def test_a_split_row_propagates_nan_from_any_piece_and_gives_the_same_bits_on_any_thread_count():
+    """A NaN score in one piece makes the row NaN (as PyTorch's softmax); a NaN value behind a masked key does not.
+    The cut depends on the shapes alone, so one and two threads give the same bits."""
+    q, k, v, mask = long_rows_case(600, seed=4)
+    spoiled = k.clone()
+    spoiled[0, 0, 450, 0] = float("nan")  # in the third of four pieces
+    assert kernels.attention(q, spoiled, v, mask, False, None).isnan().all()
+    v_nan = v.clone()
+    v_nan[0, 0, 100] = float("nan")
+    mask[..., 100] = False
+    assert not kernels.attention(q, k, v_nan, mask, False, None).isnan().any()
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, False, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])

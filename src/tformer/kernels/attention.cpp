@@ -10,8 +10,9 @@
 //   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype; each value row is
 //      read and widened once for all the task's heads (SmolLM2: 3 query heads a key/value head).
 // Keys after a row's last visible one are skipped (a static cache's unwritten columns). A row that may see no key
-// returns zeros (the library's convention). Grouped-query heads read key/value head
-// h / (H / Hkv). Tasks run on torch's OpenMP pool (tformer_kernels::parallel_blocks), inline when the problem is small.
+// returns zeros (the library's convention). Grouped-query heads read key/value head h / (H / Hkv). Where there are
+// few tasks (a decode step at batch 1), each row's keys are cut into pieces whose sums are merged afterwards (see
+// kSplitRows). Tasks run on torch's OpenMP pool (tformer_kernels::parallel_blocks), inline when the problem is small.
 //
 // On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
 // keys' sums reduced together), on AVX2 + FMA the same with 8 lanes; elsewhere plain C++ that the compiler
@@ -304,11 +305,12 @@ inline void prefetch_rows(const T* first, int64_t stride, int64_t rows, int64_t 
 
 // Steps 1 and 2 for one (batch, head, query row): q (D,) against the rows of its key head k0 (keys, D), `k_stride`
 // elements apart, under the row's mask (every `mask_stride`-th bool; none: all keys). Leaves scores[j] = p_j, the
-// max-subtracted softmax numerators (masked keys: exactly 0), and returns their sum: at least 1 (the largest score's
-// numerator is exp(0)), or 0 when the row may see no key, or NaN when a score is NaN (then the scores are zeros too).
+// max-subtracted softmax numerators (masked keys: exactly 0), sets `top` to the largest score, and returns their sum:
+// at least 1 (the largest score's numerator is exp(0)), or 0 when the row may see no key, or NaN when a score is NaN
+// (then the scores are zeros too).
 template <typename T>
 float numerators_of(const T* q, const T* k0, int64_t k_stride, const bool* mask, int64_t mask_stride, int64_t keys,
-                    int64_t D, float scale, float* scores) {
+                    int64_t D, float scale, float* scores, float& top) {
   float qf[1024];  // D <= 1024 (checked by the op)
   for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -355,6 +357,7 @@ float numerators_of(const T* q, const T* k0, int64_t k_stride, const bool* mask,
     std::fill(scores, scores + keys, 0.0f);
     return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   }
+  top = best;
   float total = 0.0f;  // 2. numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select)
   int64_t j = 0;
 #ifdef TFORMER_SIMD_ATTENTION
@@ -381,18 +384,18 @@ void weighted_sum_upto(int64_t nv, const float* const* p, const T* v, int64_t ro
 }
 #endif
 
-// G query heads of one (batch, query row) that read the same key/value head under the same mask: q[g] (D,) ->
-// out[g] (Dv,). Steps 1 and 2 run per head; step 3 reads each value row once for all G (the weights in scores, a row
-// of `stride` floats per head; acc holds G rows of Dv).
+// G query heads of one (batch, query row) that read the same key/value head under the same mask, over `keys` keys
+// from k0, v0: steps 1-3 without the division. Steps 1 and 2 run per head; step 3 reads each value row once for all G
+// (the weights in scores, a row of `stride` floats per head). Leaves acc[g] (Dv,) = sum_j p_j v_j, totals[g] =
+// sum_j p_j and tops[g] = the largest score (numerators_of).
 template <typename T, int G>
-void attend_group(const T* const* q, const T* k0, int64_t k_stride, const T* v0, int64_t v_stride, const bool* mask,
-                  int64_t mask_stride, int64_t keys, int64_t D, int64_t Dv, float scale, float* scores, int64_t stride,
-                  float* acc, T* const* out) {
+void attend_sums(const T* const* q, const T* k0, int64_t k_stride, const T* v0, int64_t v_stride, const bool* mask,
+                 int64_t mask_stride, int64_t keys, int64_t D, int64_t Dv, float scale, float* scores, int64_t stride,
+                 float* const* acc, float* totals, float* tops) {
   prefetch_rows(v0, v_stride, keys, Dv, 2);  // the values arrive while the scores are computed
-  float totals[G];
   const float* p[G];
   for (int g = 0; g < G; ++g) {
-    totals[g] = numerators_of<T>(q[g], k0, k_stride, mask, mask_stride, keys, D, scale, scores + g * stride);
+    totals[g] = numerators_of<T>(q[g], k0, k_stride, mask, mask_stride, keys, D, scale, scores + g * stride, tops[g]);
     p[g] = scores + g * stride;
   }
   // 3. the weighted sums of the values, float32 accumulators in registers
@@ -401,32 +404,35 @@ void attend_group(const T* const* q, const T* k0, int64_t k_stride, const T* v0,
   for (int64_t d0 = 0; d0 < Dv; d0 += kLanes * kMost) {
     const int64_t width = std::min<int64_t>(Dv - d0, kLanes * kMost);
     float* at[G];
-    for (int g = 0; g < G; ++g) at[g] = acc + g * Dv + d0;
+    for (int g = 0; g < G; ++g) at[g] = acc[g] + d0;
     weighted_sum_upto<G, kMost, T>((width + kLanes - 1) / kLanes, p, v0 + d0, v_stride, keys, width, at);
   }
 #else
-  for (int64_t i = 0; i < G * Dv; ++i) acc[i] = 0.0f;
+  for (int g = 0; g < G; ++g) std::fill(acc[g], acc[g] + Dv, 0.0f);
   for (int64_t j = 0; j < keys; ++j) {
     const T* vj = v0 + j * v_stride;
     for (int g = 0; g < G; ++g) {
       const float pj = p[g][j];
       if (pj == 0.0f) continue;
-      float* a = acc + g * Dv;
+      float* a = acc[g];
 #pragma omp simd
       for (int64_t d = 0; d < Dv; ++d) a[d] += pj * to_float(vj[d]);
     }
   }
 #endif
-  for (int g = 0; g < G; ++g) {
-    const float* a = acc + g * Dv;
-    if (!(totals[g] > 0.0f)) {  // NaN: a NaN row, as PyTorch's; 0: no visible key, zeros (the library's convention)
-      const float fill = std::isnan(totals[g]) ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-      for (int64_t d = 0; d < Dv; ++d) out[g][d] = static_cast<T>(fill);
-      continue;
-    }
-    const float inv = 1.0f / totals[g];
-    for (int64_t d = 0; d < Dv; ++d) out[g][d] = static_cast<T>(a[d] * inv);
+}
+
+// A head's output row from its sums: acc / total, one rounding; a NaN total gives a NaN row (as PyTorch's softmax
+// over a NaN score), a zero total (no visible key) zeros, the library's convention.
+template <typename T>
+void finish_row(const float* acc, float total, int64_t Dv, T* out) {
+  if (!(total > 0.0f)) {
+    const T fill = static_cast<T>(std::isnan(total) ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+    std::fill(out, out + Dv, fill);
+    return;
   }
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
 // One past the row's last visible key (0: none), so the keys after it are never touched. In a static cache's mask
@@ -451,6 +457,18 @@ struct Strides {
   int64_t s0, s1, s2;
 };
 
+// Split over the keys (flash-decoding). A decode step has few tasks (SmolLM2 at batch 1: its 3 key/value heads), so
+// its two threads got unequal shares, 2 tasks and 1. When there are fewer than kSplitRows (batch, key/value head,
+// query row)s, each row's visible keys are cut into ceil(kSplitRows / rows) equal pieces (at most one per kSplitKeys
+// keys the rows may reach); each piece's task leaves its sums (attend_sums), and the pieces of a row are merged by
+// the softmax's rescaling: with M the largest of the pieces' top scores, out = sum_s acc_s e^(top_s - M) /
+// sum_s total_s e^(top_s - M). The cut depends on the shapes alone (not on the thread count, nor on how many heads go
+// together), so a call gives the same bits on any number of threads. A SmolLM2 layer's attention (9/3 heads, 64
+// features, bfloat16, 2 threads; AMD EPYC Zen 4) took 0.87-0.95 of the unsplit time at 128-288 keys, 0.81-0.88 at
+// 600-1024; cutting into more pieces (3 to 6 for 3 rows) gained less.
+constexpr int64_t kSplitRows = 4;
+constexpr int64_t kSplitKeys = 64;
+
 // out (B, H, L, Dv), contiguous = attention of q (B, H, L, D) to k (B, Hkv, S, D) and v (B, Hkv, S, Dv), every last
 // dimension contiguous, under mask (a bool per (b, h, l, j) at the strides ms, broadcast dimensions 0; or none).
 // Keys from `limit` on are not looked at.
@@ -461,41 +479,97 @@ void run_raw(const T* qp, Strides qs, const T* kp, Strides ks, const T* vp, Stri
   const int64_t group = H / Hkv;
   const int64_t ms0 = mp ? ms[0] : 0, ms1 = mp ? ms[1] : 0, ms2 = mp ? ms[2] : 0, ms3 = mp ? ms[3] : 0;
   // A task is up to kMaxGroup heads of one key/value head at one (batch, query row), when the mask is the same for
-  // every head (a decode step's (B, 1, 1, S) mask, or none); with a mask per head, one head.
+  // every head (a decode step's (B, 1, 1, S) mask, or none); with a mask per head, one head; and one piece of the keys.
   const int64_t chunk = (mp == nullptr || ms1 == 0) ? std::min<int64_t>(group, kMaxGroup) : 1;
   const int64_t chunks = (group + chunk - 1) / chunk;
-  const int64_t tasks = B * Hkv * chunks * L;
-  const int64_t work = std::max<int64_t>(1, chunk * S * (D + Dv));
+  const int64_t rows = B * Hkv * L, reach = std::min(limit, S);
+  const int64_t splits =
+      rows >= kSplitRows ? 1 : std::max<int64_t>(1, std::min<int64_t>((kSplitRows + rows - 1) / rows, reach / kSplitKeys));
+  const int64_t tasks = rows * chunks * splits;
+  const int64_t span = (S + splits - 1) / splits;  // the most keys a task looks at
+  const int64_t work = std::max<int64_t>(1, chunk * span * (D + Dv));
   const int64_t grain = std::max<int64_t>(1, 32768 / work);  // ~32k multiply-adds a thread at least: small runs inline
+  const int64_t part = chunk * (Dv + 2);  // a piece's sums: acc (chunk x Dv), totals (chunk), tops (chunk)
+  std::vector<float> pieces(splits > 1 ? tasks * part : 0);
+  // The task's heads, their query and output rows, and the row's mask; t counts pieces fastest.
+  struct Task {
+    int64_t b, hk, l, h0, heads;
+    const bool* mrow;
+  };
+  const auto task_of = [&](int64_t t) {
+    const int64_t u = t / splits;
+    const int64_t l = u % L, c = (u / L) % chunks, hk = (u / (L * chunks)) % Hkv, b = u / (L * chunks * Hkv);
+    const int64_t h0 = hk * group + c * chunk;
+    return Task{b, hk, l, h0, std::min<int64_t>(chunk, group - c * chunk),
+                mp ? mp + b * ms0 + h0 * ms1 + l * ms2 : nullptr};
+  };
   tformer_kernels::parallel_blocks(tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(chunk * S), acc(chunk * Dv);
+    std::vector<float> scores(chunk * span), acc(chunk * Dv);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t l = t % L, c = (t / L) % chunks, hk = (t / (L * chunks)) % Hkv, b = t / (L * chunks * Hkv);
-      const int64_t h0 = hk * group + c * chunk, heads = std::min<int64_t>(chunk, group - c * chunk);
-      const bool* mrow = mp ? mp + b * ms0 + h0 * ms1 + l * ms2 : nullptr;
-      const int64_t end = std::min<int64_t>(limit, is_causal ? std::min<int64_t>(S, l + 1) : S);  // causal: top-left
-      const int64_t keys = visible_end(mrow, ms3, end);
-      const T* krows = kp + b * ks.s0 + hk * ks.s1;
-      const T* vrows = vp + b * vs.s0 + hk * vs.s1;
+      const Task task = task_of(t);
+      const int64_t end = std::min<int64_t>(limit, is_causal ? std::min<int64_t>(S, task.l + 1) : S);  // top-left
+      const int64_t keys = visible_end(task.mrow, ms3, end);
+      const int64_t piece = (keys + splits - 1) / splits;
+      const int64_t lo = std::min(keys, (t % splits) * piece), hi = std::min(keys, lo + piece);
       const T* qrows[kMaxGroup];
       T* orows[kMaxGroup];
-      for (int64_t g = 0; g < heads; ++g) {
-        qrows[g] = qp + b * qs.s0 + (h0 + g) * qs.s1 + l * qs.s2;
-        orows[g] = op + ((b * H + h0 + g) * L + l) * Dv;
+      float* sums[kMaxGroup];
+      float* const own = splits > 1 ? pieces.data() + t * part : nullptr;
+      float local[2 * kMaxGroup];
+      float* totals = own ? own + chunk * Dv : local;
+      float* tops = totals + chunk;
+      for (int64_t g = 0; g < task.heads; ++g) {
+        qrows[g] = qp + task.b * qs.s0 + (task.h0 + g) * qs.s1 + task.l * qs.s2;
+        orows[g] = op + ((task.b * H + task.h0 + g) * L + task.l) * Dv;
+        sums[g] = (own ? own : acc.data()) + g * Dv;
       }
+      const T* krows = kp + task.b * ks.s0 + task.hk * ks.s1 + lo * ks.s2;
+      const T* vrows = vp + task.b * vs.s0 + task.hk * vs.s1 + lo * vs.s2;
+      const bool* mrow = task.mrow ? task.mrow + lo * ms3 : nullptr;
       const auto attend = [&](auto heads_at_once) {
         constexpr int G = decltype(heads_at_once)::value;
-        attend_group<T, G>(qrows, krows, ks.s2, vrows, vs.s2, mrow, ms3, keys, D, Dv, scale, scores.data(), S,
-                           acc.data(), orows);
+        attend_sums<T, G>(qrows, krows, ks.s2, vrows, vs.s2, mrow, ms3, hi - lo, D, Dv, scale, scores.data(), span,
+                          sums, totals, tops);
       };
-      switch (heads) {
+      switch (task.heads) {
         case 1: attend(std::integral_constant<int, 1>{}); break;
         case 2: attend(std::integral_constant<int, 2>{}); break;
         case 3: attend(std::integral_constant<int, 3>{}); break;
         default: attend(std::integral_constant<int, 4>{}); break;
       }
+      if (own == nullptr) {
+        for (int64_t g = 0; g < task.heads; ++g) finish_row(sums[g], totals[g], Dv, orows[g]);
+      }
     }
   });
+  if (splits == 1) return;
+  // The pieces of each row merged on the calling thread (SmolLM2: 9 heads x 5 pieces x 64 values).
+  std::vector<float> merged(Dv);
+  for (int64_t u = 0; u < tasks / splits; ++u) {
+    const Task task = task_of(u * splits);
+    const float* first = pieces.data() + u * splits * part;
+    for (int64_t g = 0; g < task.heads; ++g) {
+      bool nan = false;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) {
+        const float total = first[s * part + chunk * Dv + g], best = first[s * part + chunk * Dv + chunk + g];
+        nan |= std::isnan(total);
+        if (total > 0.0f) top = std::max(top, best);
+      }
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+      for (int64_t s = 0; s < splits && !nan; ++s) {
+        const float* own = first + s * part;
+        const float piece_total = own[chunk * Dv + g];
+        if (!(piece_total > 0.0f)) continue;  // a piece that saw no key adds nothing
+        const float w = exp_nonpositive(own[chunk * Dv + chunk + g] - top);
+        total += piece_total * w;
+        const float* a = own + g * Dv;
+        for (int64_t d = 0; d < Dv; ++d) merged[d] += a[d] * w;
+      }
+      finish_row(merged.data(), total, Dv, op + ((task.b * H + task.h0 + g) * L + task.l) * Dv);
+    }
+  }
 }
 
 template <typename T>
