@@ -140,6 +140,31 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
             kernels.prefetch_rows(bad)
 
 
+def test_any_thread_count_gives_the_bits_of_one_thread():
+    """Each row of the output is one thread's sum, whichever thread takes it and however the rows are split, so any
+    thread count gives the bits of one thread, for every kernel (3 and 5 threads: blocks of unequal count)."""
+    x, w, b = case(3, 576, 4099, seed=7)
+    layer = Int8Linear.from_weight(w, b)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3, 4, 5):
+            torch.set_num_threads(n)
+            results.append(
+                (
+                    torch.ops.tformer.gemv_bf16(x, w, b),
+                    torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()),
+                    torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
+                )
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(results[0], other, strict=True))
+    exact, bound = rounding_bound(x, w, b)
+    assert ((results[1][0].double() - exact).abs() <= bound).all()
+
+
 def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "3")
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS_INT8", "0")
