@@ -14,12 +14,19 @@ A second table times a static cache an eighth written: the kernel over S columns
 visible, against the kernel over those S / 8 keys alone (it skips the keys after a row's last visible one, so the
 unwritten columns should cost little beyond a scan of their mask).
 
+A third table times SmolLM2's bfloat16 call on one thread and on all of torch's threads, in turns (the median of the
+per-turn ratios, with quartiles). At batch 1 its 3 key/value
+heads are 3 tasks, so two threads could at best take 2/3 of one thread's time (2 tasks and 1); the kernel cuts a row's
+keys into pieces where there are few rows (attention.cpp, ``kSplitRows``), so that the threads get equal shares.
+
 Run:  python benchmarks/decode_attention.py
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from functools import partial
 
 import torch
@@ -83,6 +90,37 @@ def main() -> None:
                 f"{cache / alone:.2f} |",
                 flush=True,
             )
+    threads = torch.get_num_threads()
+    print(
+        f"\n| heads | dtype | keys | kernel on 1 thread us | on {threads} threads us | speed-up, median (quartiles) |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    H, Hkv, D = HEADS["SmolLM2-135M"]
+    for S in args.keys:
+        q = torch.randn(1, H, 1, D).bfloat16()
+        k, v = torch.randn(1, Hkv, S, D).bfloat16(), torch.randn(1, Hkv, S, D).bfloat16()
+        call = partial(kernels.attention, q, k, v, None, False, None)
+        calls = max(10, int(0.01 / max(best(call, 2), 1e-7)))
+        pairs = []  # (one thread, all threads), taken in turns so that the host's drift falls on both alike
+        try:
+            for _ in range(10 * args.repeats):
+                times = []
+                for n in (1, threads):
+                    torch.set_num_threads(n)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        call()
+                    times.append((time.perf_counter() - start) / calls)
+                pairs.append(times)
+        finally:
+            torch.set_num_threads(threads)
+        one, many = (statistics.median(t[i] for t in pairs) for i in (0, 1))
+        q1, q2, q3 = statistics.quantiles([a / b for a, b in pairs], n=4)
+        print(
+            f"| SmolLM2-135M {H}/{Hkv}x{D} | bfloat16 | {S} | {one * 1e6:.1f} | {many * 1e6:.1f} | "
+            f"{q2:.2f}x ({q1:.2f}-{q3:.2f}) |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

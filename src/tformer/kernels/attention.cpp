@@ -465,7 +465,8 @@ struct Strides {
 // sum_s total_s e^(top_s - M). The cut depends on the shapes alone (not on the thread count, nor on how many heads go
 // together), so a call gives the same bits on any number of threads. A SmolLM2 layer's attention (9/3 heads, 64
 // features, bfloat16, 2 threads; AMD EPYC Zen 4) took 0.87-0.95 of the unsplit time at 128-288 keys, 0.81-0.88 at
-// 600-1024; cutting into more pieces (3 to 6 for 3 rows) gained less.
+// 600-1024 (a scratch build switching in one process); cutting into more pieces (3 to 6 for 3 rows) gained less. Two
+// threads against one (benchmarks/decode_attention.py, in turns): 1.42-1.72x at 320-4096 keys, 1.10-1.26x unsplit.
 constexpr int64_t kSplitRows = 4;
 constexpr int64_t kSplitKeys = 64;
 
