@@ -469,6 +469,7 @@ struct Strides {
 // threads against one (benchmarks/decode_attention.py, in turns): 1.42-1.72x at 320-4096 keys, 1.10-1.26x unsplit.
 constexpr int64_t kSplitRows = 4;
 constexpr int64_t kSplitKeys = 64;
+constexpr int64_t kThreadWork = 65536;
 
 // out (B, H, L, Dv), contiguous = attention of q (B, H, L, D) to k (B, Hkv, S, D) and v (B, Hkv, S, Dv), every last
 // dimension contiguous, under mask (a bool per (b, h, l, j) at the strides ms, broadcast dimensions 0; or none).
@@ -489,7 +490,10 @@ void run_raw(const T* qp, Strides qs, const T* kp, Strides ks, const T* vp, Stri
   const int64_t tasks = rows * chunks * splits;
   const int64_t span = (S + splits - 1) / splits;  // the most keys a task looks at
   const int64_t work = std::max<int64_t>(1, chunk * span * (D + Dv));
-  const int64_t grain = std::max<int64_t>(1, 32768 / work);  // ~32k multiply-adds a thread at least: small runs inline
+  // At least kThreadWork multiply-adds a thread: a smaller call runs on the calling thread. Waking a second thread
+  // costs ~3 us: SmolLM2's call (9/3 heads of 64, bfloat16) took 1.7x as long on two threads as on one at 32 keys,
+  // 1.3x at 64, the same at 96-128 (benchmarks/decode_attention.py, third table; AMD EPYC Zen 4).
+  const int64_t grain = std::max<int64_t>(1, (kThreadWork + work - 1) / work);
   const int64_t part = chunk * (Dv + 2);  // a piece's sums: acc (chunk x Dv), totals (chunk), tops (chunk)
   std::vector<float> pieces(splits > 1 ? tasks * part : 0);
   // The task's heads, their query and output rows, and the row's mask; t counts pieces fastest.
