@@ -469,6 +469,9 @@ struct Strides {
 // threads against one (benchmarks/decode_attention.py, in turns): 1.42-1.72x at 320-4096 keys, 1.10-1.26x unsplit.
 constexpr int64_t kSplitRows = 4;
 constexpr int64_t kSplitKeys = 64;
+// At least kThreadWork multiply-adds a thread: a smaller call runs on the calling thread. Waking a second thread
+// costs ~3 us: SmolLM2's call (9/3 heads of 64, bfloat16) took 1.7x as long on two threads as on one at 32 keys,
+// 1.3x at 64, the same at 96-128 (benchmarks/decode_attention.py, third table; AMD EPYC Zen 4).
 constexpr int64_t kThreadWork = 65536;
 
 // out (B, H, L, Dv), contiguous = attention of q (B, H, L, D) to k (B, Hkv, S, D) and v (B, Hkv, S, Dv), every last
@@ -485,14 +488,12 @@ void run_raw(const T* qp, Strides qs, const T* kp, Strides ks, const T* vp, Stri
   const int64_t chunk = (mp == nullptr || ms1 == 0) ? std::min<int64_t>(group, kMaxGroup) : 1;
   const int64_t chunks = (group + chunk - 1) / chunk;
   const int64_t rows = B * Hkv * L, reach = std::min(limit, S);
-  const int64_t splits =
-      rows >= kSplitRows ? 1 : std::max<int64_t>(1, std::min<int64_t>((kSplitRows + rows - 1) / rows, reach / kSplitKeys));
+  const int64_t splits = rows >= kSplitRows ? 1
+                                            : std::max<int64_t>(1, std::min((kSplitRows + rows - 1) / rows,
+                                                                            reach / kSplitKeys));
   const int64_t tasks = rows * chunks * splits;
   const int64_t span = (S + splits - 1) / splits;  // the most keys a task looks at
   const int64_t work = std::max<int64_t>(1, chunk * span * (D + Dv));
-  // At least kThreadWork multiply-adds a thread: a smaller call runs on the calling thread. Waking a second thread
-  // costs ~3 us: SmolLM2's call (9/3 heads of 64, bfloat16) took 1.7x as long on two threads as on one at 32 keys,
-  // 1.3x at 64, the same at 96-128 (benchmarks/decode_attention.py, third table; AMD EPYC Zen 4).
   const int64_t grain = std::max<int64_t>(1, (kThreadWork + work - 1) / work);
   const int64_t part = chunk * (Dv + 2);  // a piece's sums: acc (chunk x Dv), totals (chunk), tops (chunk)
   std::vector<float> pieces(splits > 1 ? tasks * part : 0);
@@ -548,7 +549,7 @@ void run_raw(const T* qp, Strides qs, const T* kp, Strides ks, const T* vp, Stri
     }
   });
   if (splits == 1) return;
-  // The pieces of each row merged on the calling thread (SmolLM2: 9 heads x 5 pieces x 64 values).
+  // The pieces of each row merged on the calling thread (SmolLM2 at batch 1: 9 heads x 2 pieces x 64 values).
   std::vector<float> merged(Dv);
   for (int64_t u = 0; u < tasks / splits; ++u) {
     const Task task = task_of(u * splits);
