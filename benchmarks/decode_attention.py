@@ -15,9 +15,9 @@ visible, against the kernel over those S / 8 keys alone (it skips the keys after
 unwritten columns should cost little beyond a scan of their mask).
 
 A third table times SmolLM2's bfloat16 call on one thread and on all of torch's threads, in turns (the median of the
-per-turn ratios, with quartiles). At batch 1 its 3 key/value
-heads are 3 tasks, so two threads could at best take 2/3 of one thread's time (2 tasks and 1); the kernel cuts a row's
-keys into pieces where there are few rows (attention.cpp, ``kSplitRows``), so that the threads get equal shares.
+per-turn ratios, with quartiles). At batch 1 its 3 key/value heads are 3 tasks, so two threads could at best take
+2/3 of one thread's time (2 tasks and 1); the kernel cuts a row's keys into pieces where there are few rows
+(attention.cpp, ``kSplitRows``), so that the threads get equal shares.
 
 Run:  python benchmarks/decode_attention.py
 """

@@ -6,6 +6,7 @@ the build fails."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -13,6 +14,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +38,17 @@ def built() -> None:
     """Many tests here call the ops directly: build them first, so that a test run on its own (``-k``) does not
     depend on an earlier one having built them."""
     assert kernels.ready(), kernels.build_error()
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def case(m: int, i: int, o: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,11 +158,9 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
     thread count gives the bits of one thread, for every kernel (3 and 5 threads: blocks of unequal count)."""
     x, w, b = case(3, 576, 4099, seed=7)
     layer = Int8Linear.from_weight(w, b)
-    threads = torch.get_num_threads()
     results = []
-    try:
-        for n in (1, 2, 3, 4, 5):
-            torch.set_num_threads(n)
+    for n in (1, 2, 3, 4, 5):
+        with num_threads(n):
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
@@ -157,8 +168,6 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
                     torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
                 )
             )
-    finally:
-        torch.set_num_threads(threads)
     for other in results[1:]:
         assert all(torch.equal(a, c) for a, c in zip(results[0], other, strict=True))
     exact, bound = rounding_bound(x, w, b)
@@ -436,20 +445,16 @@ def test_a_split_row_propagates_nan_from_any_piece_and_gives_the_same_bits_on_an
     The cut depends on the shapes alone, so one and two threads give the same bits."""
     q, k, v, mask = long_rows_case(600, seed=4)
     spoiled = k.clone()
-    spoiled[0, 0, 450, 0] = float("nan")  # in the third of four pieces
+    spoiled[0, 0, 400, 0] = float("nan")  # in the third of four pieces of 150 keys
     assert kernels.attention(q, spoiled, v, mask, False, None).isnan().all()
     v_nan = v.clone()
     v_nan[0, 0, 100] = float("nan")
     mask[..., 100] = False
     assert not kernels.attention(q, k, v_nan, mask, False, None).isnan().any()
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    outs = []
+    for n in (1, 2):
+        with num_threads(n):
             outs.append(kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, False, None))
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
 
 
