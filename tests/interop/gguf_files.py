@@ -35,6 +35,7 @@ def write_llama_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     arch: str = "llama",
     rope_scaling: str | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """``hf_model`` (a tiny ``LlamaForCausalLM``) as a GGUF file at ``path``; matrices stored as ``qtype``."""
     cfg = hf_model.config
@@ -58,6 +59,8 @@ def write_llama_gguf(
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tformer.cli import main
-from tformer.interop import InteropError, load_pretrained
+from tformer.interop import InteropError, load_pretrained, save_pretrained
 
 
 @pytest.fixture
@@ -164,8 +164,10 @@ def test_embed_refuses_a_decoder_even_with_no_lines_to_embed(gpt2_dir, capsys, m
     assert "sentence embeddings need an encoder with a tokenizer" in one_line(capsys)
 
 
-def test_the_python_api_names_common_mistakes(saved, minilm):
-    from tformer import embed
+def test_the_python_api_names_common_mistakes(saved, minilm, tmp_path, monkeypatch):
+    from tformer import embed, generate
+
+    monkeypatch.chdir(tmp_path)  # where a wrongly accepted save_pretrained would write
 
     with pytest.raises(TypeError, match=r"texts must be a list of strings; got str \(wrap one text: \[text\]\)"):
         embed(minilm, "A man is eating food.")
@@ -177,6 +179,30 @@ def test_the_python_api_names_common_mistakes(saved, minilm):
     assert next(model.parameters()).dtype == torch.bfloat16  # a dtype's name works as well as the dtype
     with pytest.raises(InteropError, match="dtype='int8' is not a floating-point dtype"):
         load_pretrained(saved("gpt2").path, dtype="int8")
+    with pytest.raises(InteropError, match="device='gpu' is not a torch device; use e.g. 'cpu' or 'cuda'"):
+        load_pretrained(saved("gpt2").path, device="gpu")
+    with pytest.raises(TypeError, match="pass pretrained.model .*, not the Pretrained"):
+        save_pretrained(minilm, "never-written")
+    with pytest.raises(TypeError, match="save_pretrained takes a tformer model .*; got dict"):
+        save_pretrained({}, "never-written")
+    with pytest.raises(TypeError, match=r"prompt_ids must be a list of prompts.*wrap one prompt, \[ids\]"):
+        generate(model, [3, 4, 5], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("command", ["sample", "convert"])
+def test_weights_without_config_json_are_named_as_a_hugging_face_directory_missing_it(
+    gpt2_dir, tmp_path, capsys, command
+):
+    (gpt2_dir / "config.json").unlink()
+    args = {
+        "sample": ["sample", "--checkpoint", str(gpt2_dir), "--prompt", "x"],
+        "convert": ["convert", str(gpt2_dir), "--out", str(tmp_path / "out")],
+    }[command]
+    assert main(args) == 2
+    assert one_line(capsys).endswith(
+        "(it holds model.safetensors but no config.json, which a Hugging Face model directory needs beside its weights)"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_file_given_as_a_run_names_the_formats_that_load(tmp_path, capsys):

@@ -5,6 +5,7 @@ files tformer cannot read refused by field. The files are tiny ones written with
 
 from __future__ import annotations
 
+import json
 import os
 
 import gguf
@@ -15,8 +16,9 @@ import transformers
 from tests.interop.gguf_files import write_llama_gguf
 from tests.interop.hf_models import TOL, batch, ours, real_error, theirs, tiny_hf
 from tformer.functional import apply_rotary
-from tformer.interop import InteropError, load_pretrained
+from tformer.interop import InteropError, load_pretrained, save_pretrained
 from tformer.interop.gguf import cached_directory, permute, unpermute
+from tformer.training.tokenizers import tokenizer_from_dict
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -64,6 +66,23 @@ def test_the_gguf_tokenizer_matches_transformers(tmp_path):
         assert ids == theirs_tok(text, add_special_tokens=False).input_ids
         assert ours_tok.decode(ids) == theirs_tok.decode(ids) == text
     assert (ours_tok.bos_id, ours_tok.eos_id) == (1, 2)
+
+
+def test_an_export_of_the_loaded_model_keeps_the_files_chat_template(tmp_path):
+    """What the file's tokenizer_config.json holds besides the special tokens (here its chat template) reaches
+    ``save_pretrained``'s directory, whether the tokenizer comes from the load or from a tformer run's record of it."""
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_hf("llama-tied"), chat_template=template)
+    pretrained = load_pretrained(path)
+    assert pretrained.tokenizer.settings["chat_template"] == template
+    recorded = tokenizer_from_dict(json.loads(json.dumps(pretrained.tokenizer.to_dict())))  # as a run stores it
+    chat = [{"role": "user", "content": "the"}]
+    for name, tokenizer in [("loaded", pretrained.tokenizer), ("recorded", recorded)]:
+        out = save_pretrained(pretrained.model, tmp_path / name, tokenizer=tokenizer)
+        theirs_tok = transformers.AutoTokenizer.from_pretrained(out)
+        assert theirs_tok.chat_template == template
+        assert theirs_tok.apply_chat_template(chat, tokenize=False) == "<|im_start|>the<|im_end|>"
+        assert (theirs_tok.bos_token, theirs_tok.eos_token) == ("<|im_start|>", "<|im_end|>")
 
 
 def test_the_conversion_is_cached_and_renewed_when_the_file_changes(tmp_path, cache):

@@ -74,7 +74,7 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
     held = next(k for k, cls in MODEL_CLASSES.items() if type(pretrained.model) is cls)
     if held != kind:
         raise ValueError(
-            f"{path} holds {'an' if held == 'encoder' else 'a'} {held!r} model ({pretrained.family}); "
+            f"{path} holds {'an' if held in ('encoder', 'lm') else 'a'} {held!r} model ({pretrained.family}); "
             f"`tformer {command}` needs {kind!r} (use `tformer {OTHER_COMMAND[held]}`)"
         )
     if pretrained.tokenizer is None:

@@ -32,6 +32,7 @@ Shapes: B, P, N, V, W (the package legend, :mod:`tformer`).
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -272,6 +273,10 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
             f"prompt_ids must be token ids, not the text {prompt_ids[:40]!r}: pass [tokenizer.encode(text)]"
         )
     prompt_ids = list(prompt_ids)
+    if any(isinstance(p, numbers.Integral) for p in prompt_ids):
+        raise TypeError(
+            "prompt_ids must be a list of prompts, each a list of token ids; got ints: wrap one prompt, [ids]"
+        )
     if any(isinstance(p, str) for p in prompt_ids):
         raise TypeError("prompt_ids must be lists of token ids, not texts: pass [tokenizer.encode(t) for t in texts]")
     prompts = [[int(t) for t in p] for p in prompt_ids]

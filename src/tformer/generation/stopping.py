@@ -47,7 +47,7 @@ class Stopper:
                 if tokenizer is None:
                     raise ValueError(f"the stop string {item!r} needs a tokenizer (pass tokenizer=...)")
                 if not item:
-                    raise ValueError("a stop string must not be empty")
+                    raise ValueError("a stop string (--stop) must not be empty")
                 self.text_stops.append(item)
             else:
                 ids = [int(t) for t in item]

@@ -93,6 +93,11 @@ def load_pretrained(
     (:func:`tformer.memory.pack_weights`). ``InteropError`` (a ``ValueError``) names the file or the field for
     anything missing, truncated, unexpected or unsupported."""
     dtype = _as_dtype(dtype)
+    if device is not None and not isinstance(device, torch.device):
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InteropError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
     path = Path(path)
     if not path.exists():
         raise InteropError(f"{path}: no such file or directory")
@@ -115,8 +120,8 @@ def load_pretrained(
 
 def _load_directory(path: Path) -> Pretrained:
     if not (path / hf.CONFIG).is_file():
-        what = "a tformer run (load it with tformer.load_checkpoint)" if (path / "checkpoints").is_dir() else "not one"
-        raise InteropError(f"{path}: no {hf.CONFIG}, so not a Hugging Face model directory ({what})")
+        run = " (it is a tformer run: load it with tformer.load_checkpoint)" if (path / "checkpoints").is_dir() else ""
+        raise InteropError(f"{path}: no {hf.CONFIG}, so not a Hugging Face model directory{run}")
     config = hf.read_json(path / hf.CONFIG)
     source = str(path / hf.CONFIG)
     family = family_of(config, source)
@@ -126,8 +131,13 @@ def _load_directory(path: Path) -> Pretrained:
     generation = hf.generation_ids(config, hf.read_json(generation_file) if generation_file.is_file() else None)
     tokenizer = None
     if (path / TOKENIZER_FILE).is_file():
+        settings = path / hf.TOKENIZER_CONFIG
         tokenizer = HFTokenizer.from_file(
-            path / TOKENIZER_FILE, bos_id=generation.bos, eos_id=generation.eos_id, pad_id=generation.pad
+            path / TOKENIZER_FILE,
+            bos_id=generation.bos,
+            eos_id=generation.eos_id,
+            pad_id=generation.pad,
+            settings=hf.read_json(settings) if settings.is_file() else None,
         )
     max_length = None
     if (path / "sentence_bert_config.json").is_file():
@@ -180,6 +190,13 @@ def save_pretrained(
     from tformer.quantization import Int8Linear
     from tformer.training.checkpoint import unwrap
 
+    if isinstance(model, Pretrained):
+        raise TypeError(
+            "save_pretrained takes the model: pass pretrained.model (and tokenizer=pretrained.tokenizer), not the "
+            "Pretrained that load_pretrained returns"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_pretrained takes a tformer model (an nn.Module); got {type(model).__name__}")
     model = unwrap(model)
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         raise InteropError(
@@ -206,7 +223,9 @@ def save_pretrained(
     }
     tok = _hf_tokenizer(tokenizer)
     ids = dict(zip(hf.SPECIAL_IDS, (generation.bos, generation.eos_id, generation.pad), strict=True))
-    return hf.write_directory(Path(path), config, tensors, gen, tok, tok and hf.special_tokens(tok.token, ids))
+    # the loaded tokenizer_config.json (chat template, unknown token, ...), its special tokens those of `generation`
+    settings = tok and {**getattr(tokenizer, "settings", {}), **hf.special_tokens(tok.token, ids)}
+    return hf.write_directory(Path(path), config, tensors, gen, tok, settings)
 
 
 def _generation_of(tokenizer: Any | None) -> GenerationIds:

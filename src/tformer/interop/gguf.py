@@ -107,6 +107,12 @@ class GGUFFile:
         return out
 
 
+def shortest(value: float) -> float:
+    """A float32 field as the shortest decimal that reads back as the same float32 (the file's 1e-5 is stored as
+    9.99999975e-06; config.json then says 1e-05, and float32 arithmetic sees the same number either way)."""
+    return float(str(np.float32(value)))
+
+
 def hf_config(file: GGUFFile) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face Llama model with the file's hyper-parameters."""
     arch = file.required("general.architecture")
@@ -139,8 +145,8 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": int(file.required("llama.block_count")),
         "intermediate_size": int(file.required("llama.feed_forward_length")),
         "max_position_embeddings": int(file.field("llama.context_length", 2048)),
-        "rope_theta": float(file.field("llama.rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(file.field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": shortest(file.field("llama.rope.freq_base", 10000.0)),
+        "rms_norm_eps": shortest(file.field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": file.field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": file.field("tokenizer.ggml.eos_token_id"),

@@ -304,9 +304,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         found = list_checkpoints(root)
         if found:
             return found[-1]
+    weights = sorted(p.name for p in path.glob("*.safetensors"))
+    hint = (
+        f"it holds {weights[0]} but no config.json, which a Hugging Face model directory needs beside its weights"
+        if weights
+        else "train one with `tformer train --out DIR`; other models load from a Hugging Face directory (with "
+        "config.json) or a .gguf file"
+    )
     raise CheckpointError(
         f"{path}: not a tformer checkpoint: no {MANIFEST} here and no {CHECKPOINTS_DIR}/step-* checkpoint inside "
-        "(train one with `tformer train --out DIR`)"
+        f"({hint})"
     )
 
 

@@ -283,24 +283,38 @@ class BPETokenizer(Tokenizer):
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` with the special ids generation needs (``bos_id``, ``eos_id``, ``pad_id``)."""
+    """A ``tokenizers.Tokenizer`` with the special ids generation needs (``bos_id``, ``eos_id``, ``pad_id``).
+
+    ``settings``: what a Hugging Face ``tokenizer_config.json`` said about it besides ``tokenizer.json`` (its chat
+    template, unknown token, ``add_bos_token``, ...), kept as read so that exporting the model
+    (:func:`tformer.save_pretrained`) writes it back; tformer's own encoding does not read it."""
 
     kind = "hf"
 
-    def __init__(self, hf: Any, *, bos_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None):
+    def __init__(
+        self,
+        hf: Any,
+        *,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        settings: dict[str, Any] | None = None,
+    ):
         hf.no_padding()
         hf.no_truncation()
         self._hf = hf
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.settings = dict(settings or {})
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, **ids: int | None) -> HFTokenizer:
+    def from_file(cls, path: str | os.PathLike, **options: Any) -> HFTokenizer:
         from tokenizers import Tokenizer
 
         try:
-            return cls(Tokenizer.from_file(str(path)), **ids)
+            inner = Tokenizer.from_file(str(path))
         except Exception as err:  # the library raises a bare Exception for malformed files
             raise ValueError(f"{path}: not a tokenizers file (tokenizer.json): {err}") from None
+        return cls(inner, **options)
 
     @property
     def hf(self) -> Any:
@@ -342,6 +356,7 @@ class HFTokenizer:
             "kind": "hf",
             "hf": json.loads(self._hf.to_str()),
             "ids": {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id},
+            "settings": self.settings,
         }
 
     def __repr__(self) -> str:
@@ -384,7 +399,13 @@ def tokenizer_from_dict(data: dict[str, Any], source: str = "<dict>") -> Tokeniz
             inner = Library.from_str(json.dumps(data["hf"]))
             if kind == "hf":
                 ids = data.get("ids", {})
-                return HFTokenizer(inner, bos_id=ids.get("bos"), eos_id=ids.get("eos"), pad_id=ids.get("pad"))
+                return HFTokenizer(
+                    inner,
+                    bos_id=ids.get("bos"),
+                    eos_id=ids.get("eos"),
+                    pad_id=ids.get("pad"),
+                    settings=data.get("settings"),  # absent in runs saved before it was kept
+                )
             return BPETokenizer(inner, specials)
     except (KeyError, TypeError, Exception) as err:
         raise ValueError(f"{source}: malformed {kind} tokenizer: {type(err).__name__}: {err}") from err
