@@ -224,7 +224,7 @@ def save_pretrained(
     tok = _hf_tokenizer(tokenizer)
     ids = dict(zip(hf.SPECIAL_IDS, (generation.bos, generation.eos_id, generation.pad), strict=True))
     # the loaded tokenizer_config.json (chat template, unknown token, ...), its special tokens those of `generation`
-    settings = tok and {**getattr(tokenizer, "settings", {}), **hf.special_tokens(tok.token, ids)}
+    settings = tok and {**tok.settings, **hf.special_tokens(tok.token, ids)}
     return hf.write_directory(Path(path), config, tensors, gen, tok, settings)
 
 
