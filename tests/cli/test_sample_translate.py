@@ -205,9 +205,11 @@ def test_cli_sample_greedy_nan_checkpoint_is_a_clear_error(peaky, tmp_path, caps
         (["--temperature", "inf"], "temperature (--temperature) must be a finite number > 0"),
         (["--seed", "-1"], "seed (--seed) must be an integer in [0, 2**63 - 1"),
         (["--seed", "99999999999999999999"], "seed (--seed) must be an integer in [0, 2**63 - 1"),
+        (["--max-new-tokens", "-1"], "max_new_tokens (--max-new-tokens) must be an integer >= 0; got -1"),
+        (["--prompt", ""], "the prompt is empty; give a non-empty --prompt"),
     ],
 )
-def test_cli_sample_bad_temperature_and_seed_are_errors_before_loading(flags, message, tmp_path, capsys):
+def test_cli_sample_bad_flags_are_errors_before_loading(flags, message, tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab", *flags]) == 2
     printed = capsys.readouterr()
     assert printed.err.startswith("tformer sample: error: ") and message in printed.err

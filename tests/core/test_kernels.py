@@ -75,6 +75,14 @@ def test_the_kernel_builds_on_this_machine():
     assert paths["int8"] in {"avx512", "avx2", "portable"} and paths["f32"] in {"avx512", "avx2", "portable"}
 
 
+def test_the_build_notice_is_for_a_build_not_for_loading_a_built_library(tmp_path, monkeypatch):
+    """ready() says "building ... about 20 s" at a terminal only when _built is False: the library this process
+    loaded is built; a name never built (in an empty extensions folder) is not."""
+    assert kernels._built(kernels.build_name(kernels._cflags()))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert not kernels._built(kernels.build_name(kernels._cflags()))
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("shape", [*SHAPES, SPLIT], ids=lambda s: "x".join(map(str, s)))
 def test_the_kernel_is_within_one_bfloat16_rounding_of_float64(shape, bias):

@@ -61,6 +61,15 @@ def test_sample_on_a_gguf_file_continues_as_transformers_does(tiny_gguf, capsys)
     assert out == "the cat" + tokenizer.decode(new) + "\n"
 
 
+def test_the_first_load_of_a_gguf_file_says_that_it_converts_and_later_loads_do_not(tiny_gguf, capsys):
+    path, _ = tiny_gguf
+    args = ("sample", "--checkpoint", str(path), "--prompt", "the", "--greedy", "--max-new-tokens", "2")
+    code, first, err = cli(capsys, *args)
+    assert code == 0 and err.startswith(f"tformer sample: converting {path.name} to safetensors (first use; cached in ")
+    code, again, err = cli(capsys, *args)
+    assert code == 0 and err == "" and again == first
+
+
 def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, capsys):
     path, reference = tiny_gguf
     ids, mask = padded([7, 4], left=True, vocab=VOCAB, pad=0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import pytest
@@ -17,7 +19,7 @@ from tests.interop.gguf_files import write_llama_gguf
 from tests.interop.hf_models import TOL, batch, ours, real_error, theirs, tiny_hf
 from tformer.functional import apply_rotary
 from tformer.interop import InteropError, load_pretrained, save_pretrained
-from tformer.interop.gguf import cached_directory, permute, unpermute
+from tformer.interop.gguf import cache_folder, cached_directory, permute, unpermute
 from tformer.training.tokenizers import tokenizer_from_dict
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -95,6 +97,37 @@ def test_the_conversion_is_cached_and_renewed_when_the_file_changes(tmp_path, ca
     assert cached_directory(path) != first
     a, b = load_pretrained(path).model.state_dict(), load_pretrained(first).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_cached_conversion_is_converted_again_with_a_warning(tmp_path):
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_hf("llama-tied"))
+    folder = cached_directory(path)
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    expected = load_pretrained(path).model.state_dict()
+    weights.write_bytes(whole[:100])  # e.g. a disk that filled up after the rename
+    with pytest.warns(RuntimeWarning, match="the cached conversion of .*tiny.gguf could not be read .*converting it"):
+        model = load_pretrained(path).model
+    assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
+    assert cached_directory(path) == folder and weights.read_bytes() == whole
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # the damaged copy is gone
+
+
+def test_a_conversion_killed_midway_leaves_a_folder_the_next_one_removes(tmp_path):
+    """A ``kill -9`` leaves ``.tmp-NAME-PID-HEX`` (an interrupted write removes its own): the next write of NAME
+    removes those of processes that no longer run, and leaves a running one's and other names' alone."""
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_hf("llama-tied"))
+    folder = cache_folder(path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a process that has exited (and been waited for)
+    abandoned = folder.with_name(f".tmp-{folder.name}-{dead}-0123abcd")
+    running = folder.with_name(f".tmp-{folder.name}-{os.getpid()}-0123abcd")
+    other = folder.with_name(f".tmp-{folder.name}x-{dead}-0123abcd")
+    for leftover in (abandoned, running, other):
+        leftover.mkdir(parents=True)
+        (leftover / "model.safetensors").write_bytes(b"half")
+    assert cached_directory(path) == folder
+    assert not abandoned.exists() and running.is_dir() and other.is_dir()
 
 
 def test_without_a_writable_cache_it_converts_for_the_one_load(tmp_path, monkeypatch):

@@ -70,6 +70,7 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
         return Loaded(ckpt.model, ckpt.tokenizer, ckpt.path, eos, start)
     from tformer.interop import MODEL_CLASSES, load_pretrained
 
+    note_first_conversion(path, command)
     pretrained = load_pretrained(path, dtype=torch_dtype(dtype), device=resolve_device(device))
     held = next(k for k, cls in MODEL_CLASSES.items() if type(pretrained.model) is cls)
     if held != kind:
@@ -83,6 +84,19 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
     eos = gen.eos or (() if pretrained.tokenizer.eos_id is None else (pretrained.tokenizer.eos_id,))
     start = gen.decoder_start if kind == "seq2seq" else gen.bos
     return Loaded(pretrained.model, pretrained.tokenizer, Path(path), tuple(eos), start)
+
+
+def note_first_conversion(path: str, command: str) -> None:
+    """Say on stderr that a GGUF file is about to be converted (its first load: dequantized and written to the
+    cache, tens of seconds for a 100M-parameter model; later loads read the cache)."""
+    from tformer.interop.gguf import cache_folder, is_cached
+
+    file = Path(path)
+    if file.suffix == ".gguf" and file.is_file() and not is_cached(file):
+        print(
+            f"tformer {command}: converting {file.name} to safetensors (first use; cached in {cache_folder(file)})",
+            file=sys.stderr,
+        )
 
 
 def load_run(path: str, kind: str | None, device: str, command: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tformer.cli.common import add_device_flags, apply_quantize, report_errors, torch_dtype
+from tformer.cli.common import add_device_flags, apply_quantize, note_first_conversion, report_errors, torch_dtype
 
 
 def add_cli(subparsers) -> None:
@@ -41,6 +41,7 @@ def _run_explore(args: argparse.Namespace) -> int:
         from tformer.explore.server import ExploreServer, is_loopback
         from tformer.training.runtime import resolve_device
 
+        note_first_conversion(args.checkpoint, "explore")
         explorer = open_model(args.checkpoint, device=resolve_device(args.device), dtype=torch_dtype(args.dtype))
         apply_quantize(explorer.model, args.quantize)
         if args.quantize:

@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from tformer.cli.common import add_device_flags, apply_quantize, load_model, report_errors
-from tformer.generation.sampling import check_sampling_args, row_seeds
-from tformer.generation.text import DEFAULT_NEW_TOKENS, sample_to
+from tformer.generation.sampling import check_max_new_tokens, check_sampling_args, row_seeds
+from tformer.generation.text import DEFAULT_NEW_TOKENS, EMPTY_PROMPT, sample_to
 
 
 def add_cli(subparsers) -> None:
@@ -63,6 +63,10 @@ def _run_sample(args: argparse.Namespace) -> int:
     def run() -> int:
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
         row_seeds(args.seed, 1)
+        if args.max_new_tokens is not None:
+            check_max_new_tokens(args.max_new_tokens)
+        if not args.prompt:
+            raise ValueError(EMPTY_PROMPT)
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         apply_quantize(loaded.model, args.quantize)
         from tformer.generation.static import LAST_TIMINGS, auto_compile, auto_static_cache

@@ -49,6 +49,12 @@ NEG_INF = float("-inf")
 # --------------------------------------------------------------------------------------------------
 # Pure filters on logits (..., V)
 # --------------------------------------------------------------------------------------------------
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    """Raise ``ValueError`` unless ``max_new_tokens`` is an integer >= 0."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")
+
+
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None, greedy: bool) -> None:
     """Raise ``ValueError`` for settings that define no distribution. The messages name the argument and its
     ``tformer sample`` flag, as both reach users."""
@@ -378,8 +384,7 @@ def generate(
             "EncoderDecoder decodes with greedy_seq2seq or beam_search)"
         )
     cfg = model.cfg
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     check_sampling_args(temperature, top_k, top_p, greedy)
     prompts = _prompt_lists(prompt_ids, cfg.vocab_size)
     for e in sorted(eos_ids(eos_id)):

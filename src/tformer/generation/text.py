@@ -12,6 +12,7 @@ from tformer.generation.seq2seq import beam_search
 from tformer.models import DecoderLM, EncoderDecoder, pad_right
 
 DEFAULT_NEW_TOKENS = 200
+EMPTY_PROMPT = "the prompt is empty; give a non-empty --prompt"
 
 
 class TextTokenizer(Protocol):
@@ -79,7 +80,7 @@ def sample_to(
             "so nothing is left to condition on; use characters of the training text"
         )
     if not ids:
-        raise ValueError("the prompt is empty; give a non-empty --prompt")
+        raise ValueError(EMPTY_PROMPT)
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
     trained = model.cfg.max_seq_len

@@ -19,6 +19,7 @@ ids differ only where a digit follows two or more whitespace characters: ``"x  1
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -259,16 +260,28 @@ def tokenizer_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any] |
     return out
 
 
-def cached_directory(path: Path) -> Path:
-    """The converted directory of ``path`` in tformer's cache (``$TFORMER_CACHE``, else ``~/.cache/tformer``),
-    converted on first use: a second load reads safetensors instead of dequantizing again."""
+def cache_folder(path: Path) -> Path:
+    """Where :func:`cached_directory` keeps the conversion of ``path`` (``$TFORMER_CACHE``, else
+    ``~/.cache/tformer``, then ``gguf/``), under a name that changes when the file does (its path, size and
+    modification time)."""
     import hashlib
 
     from tformer.training.corpus import default_cache_dir
 
     st = path.stat()
     key = hashlib.sha256(f"{CACHE_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
-    folder = default_cache_dir() / "gguf" / f"{path.stem}-{key}"
+    return default_cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def is_cached(path: Path) -> bool:
+    """Whether ``path`` has a converted directory in the cache (a load reads it instead of converting)."""
+    return (cache_folder(path) / "config.json").is_file()
+
+
+def cached_directory(path: Path) -> Path:
+    """The converted directory of ``path`` in tformer's cache (:func:`cache_folder`), converted on first use: a
+    second load reads safetensors instead of dequantizing again."""
+    folder = cache_folder(path)
     if not (folder / "config.json").is_file():
         try:
             convert_gguf(path, folder)
@@ -276,6 +289,19 @@ def cached_directory(path: Path) -> Path:
             if not (folder / "config.json").is_file():  # not just another process that converted it first
                 raise
     return folder
+
+
+def _discard(folder: Path) -> None:
+    """Remove a cached conversion: renamed out of the way first (one step, so no load sees half of it), then deleted."""
+    import shutil
+    import uuid
+
+    aside = folder.with_name(f".tmp-discarded-{folder.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        folder.rename(aside)
+    except FileNotFoundError:  # another process discarded it first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_gguf(path: Path):
@@ -292,6 +318,12 @@ def load_gguf(path: Path):
             pretrained = _load_directory(convert_gguf(path, Path(tmp) / "model"))
             pretrained.path = path
             return pretrained
-    pretrained = _load_directory(folder)
+    try:
+        pretrained = _load_directory(folder)
+    except InteropError as err:  # the cached files were damaged (a full disk, an edit): convert again, once
+        message = f"{folder}: the cached conversion of {path} could not be read ({err}); converting it again"
+        warnings.warn(message, RuntimeWarning, stacklevel=3)  # at load_pretrained's caller
+        _discard(folder)
+        pretrained = _load_directory(cached_directory(path))
     pretrained.path, pretrained.family = path, "llama"
     return pretrained

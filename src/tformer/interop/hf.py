@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from tformer.interop.keys import InteropError
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 GENERATION = "generation_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+TMP_PREFIX = ".tmp-"  # then the name, the pid and a random part: .tmp-NAME-PID-HEX8
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # stated in config.json, even when null
 
 
@@ -119,7 +121,7 @@ def write_directory(
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InteropError(f"{path}: already exists and is not an empty folder; choose another path or delete it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -137,4 +139,29 @@ def write_directory(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    remove_abandoned(path)
     return path
+
+
+def remove_abandoned(path: Path) -> list[Path]:
+    """Delete the temporary folders that writes of ``path`` by processes no longer running left beside it (a
+    ``kill -9`` mid-write: an interrupted write removes its own); returns them. A folder whose process still runs,
+    or may (another user's), is kept."""
+    pattern = re.compile(rf"{re.escape(TMP_PREFIX + path.name)}-(\d+)-[0-9a-f]{{8}}")
+    removed = []
+    for leftover in path.parent.glob(f"{TMP_PREFIX}*"):
+        match = pattern.fullmatch(leftover.name)
+        if match and leftover.is_dir() and not _running(int(match.group(1))):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, the call only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no pid can be
+        return True
+    return True

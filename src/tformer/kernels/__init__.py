@@ -109,10 +109,11 @@ def ready() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        if sys.stderr.isatty():
+        name = build_name(cflags)
+        if sys.stderr.isatty() and not _built(name):
             print("tformer: building the decode kernels for this CPU (once, about 20 s)", file=sys.stderr)
         cpp_extension.load(
-            name=build_name(cflags),
+            name=name,
             sources=[str(source) for source in SOURCES],
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
@@ -139,6 +140,17 @@ def ready() -> bool:
         return False
     _STATE["ready"] = True
     return True
+
+
+def _built(name: str) -> bool:
+    """Whether ``cpp_extension.load`` will find the library ``name`` already built (in the folder it builds in)."""
+    from torch.utils import cpp_extension
+
+    try:
+        folder = cpp_extension._get_build_directory(name, verbose=False)  # private, but the rule torch follows
+    except Exception:  # a later torch without it: say nothing rather than something wrong
+        return True
+    return (Path(folder) / f"{name}.so").is_file()
 
 
 def default_prefetch_rows(int8: bool = False) -> int:
