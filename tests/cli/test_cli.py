@@ -353,6 +353,22 @@ def test_a_full_disk_and_a_closed_pipe_end_the_process_without_a_traceback(tmp_p
     assert (proc.returncode, proc.stderr) == (141, "")
 
 
+def test_a_system_error_inside_a_command_is_one_line_and_exit_1(capsys):
+    from tformer.cli.common import report_errors
+
+    def disk_full() -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    assert report_errors("convert", disk_full) == 1
+    assert capsys.readouterr().err == f"tformer convert: error: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}\n"
+
+    def reader_gone() -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):  # left to main(), which ends quietly with 141 (the test above)
+        report_errors("sample", reader_gone)
+
+
 def test_the_cli_module_itself_imports_no_torch():
     """Ctrl-C while torch loads must reach main()'s handler; the command modules are imported inside main() (the
     package's __init__, imported first by the console script, still imports torch)."""

@@ -98,7 +98,24 @@ def test_cli_sample_prompt_longer_than_the_learned_positions(lm_run, capsys):
     new = generate(
         ckpt.model, [ckpt.tokenizer.encode(prompt[-40:])], max_new_tokens=50, seed=1, temperature=0.8, top_p=0.95
     )[0]
-    assert capsys.readouterr().out == prompt + ckpt.tokenizer.decode(new) + "\n"
+    out = capsys.readouterr()
+    assert out.out == prompt + ckpt.tokenizer.decode(new) + "\n"
+    assert out.err == (
+        "tformer sample: note: the prompt's 60 tokens are more than the model's 40 learned positions; it sees the "
+        "last 40\n"
+    )
+
+
+def test_cli_commands_given_a_run_of_the_other_kind_name_the_command_to_use(lm_run, seq2seq_run, capsys):
+    assert main(["translate", "--checkpoint", str(lm_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tformer translate: error: ") and err.endswith(
+        "holds a language model ('lm'); `tformer translate` needs a seq2seq model ('seq2seq'): use `tformer sample`\n"
+    )
+    assert main(["sample", "--checkpoint", str(seq2seq_run), "--prompt", "abc"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "holds a seq2seq model ('seq2seq'); `tformer sample` needs a language model ('lm'): use `tformer translate`\n"
+    )
 
 
 @pytest.mark.parametrize("position", ["rotary", "sinusoidal"])
@@ -207,6 +224,8 @@ def test_cli_sample_greedy_nan_checkpoint_is_a_clear_error(peaky, tmp_path, caps
         (["--seed", "99999999999999999999"], "seed (--seed) must be an integer in [0, 2**63 - 1"),
         (["--max-new-tokens", "-1"], "max_new_tokens (--max-new-tokens) must be an integer >= 0; got -1"),
         (["--prompt", ""], "the prompt is empty; give a non-empty --prompt"),
+        # the bytes ab\xff\xfe as Python's argv hands them over (surrogateescape)
+        (["--prompt", b"ab\xff\xfe".decode("utf-8", "surrogateescape")], "--prompt is not valid UTF-8 (byte 0xff at"),
     ],
 )
 def test_cli_sample_bad_flags_are_errors_before_loading(flags, message, tmp_path, capsys):
@@ -504,3 +523,5 @@ def test_cli_sample_compile_on_gives_the_eager_text_and_reports_the_compile(lm_r
     assert "compiled decoding (prefill" in compiled.err and "compiled" not in eager.err
     assert main([*args, "--compile", "auto"]) == 0  # on the CPU: eager (tformer.generation.static.auto_compile)
     assert "compiled" not in capsys.readouterr().err
+    assert main([*args[:-1], "0", "--compile", "on"]) == 0  # nothing decoded: nothing compiled to report
+    assert capsys.readouterr() == ("abc\n", "")

@@ -186,3 +186,4 @@ def test_cli_report_quick_writes_report_referencing_existing_pngs(tmp_path, caps
     for name in EXPERIMENTS:
         assert load(name).CLAIM in report
     assert report.count("\n## Q") == len(EXPERIMENTS)
+    assert f"\n    tformer report --quick --out {tmp_path.name}\n" in report  # every experiment: no --only to rerun it

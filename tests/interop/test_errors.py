@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import sys
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tformer.cli import main
 from tformer.interop import InteropError, load_pretrained, save_pretrained
+from tformer.training.checkpoint import CheckpointError, load_checkpoint
 
 
 @pytest.fixture
@@ -78,6 +80,8 @@ def test_a_config_that_is_not_json_is_named(gpt2_dir):
         ("llama", {"head_dim": 16}, "head_dim=16 is not supported: tformer's heads are d_model / heads = 8 wide"),
         ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
         ("mistral", {"sliding_window": 16}, "sliding_window=16 is not supported"),
+        # a window as long as every trained position: transformers drops keys past it, tformer runs on unwindowed
+        ("mistral", {"sliding_window": 64, "max_position_embeddings": 64}, "sliding_window=64 is not supported"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
         ("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key' is not"),
         ("marian", {"decoder_layers": 3, "decoder_ffn_dim": 64}, "decoder_ffn_dim=64 is not supported"),
@@ -161,7 +165,28 @@ def test_convert_to_a_path_below_a_file_is_one_line_and_exit_2(gpt2_dir, tmp_pat
 def test_embed_refuses_a_decoder_even_with_no_lines_to_embed(gpt2_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["embed", "--checkpoint", str(gpt2_dir)]) == 2
-    assert "sentence embeddings need an encoder with a tokenizer" in one_line(capsys)
+    assert one_line(capsys).endswith(
+        "sentence embeddings need an encoder with a tokenizer (a BERT model); this is a gpt2 model"
+    )
+
+
+def test_sample_given_an_encoder_names_embed(minilm_dir, capsys):
+    assert main(["sample", "--checkpoint", str(minilm_dir), "--prompt", "a"]) == 2
+    assert one_line(capsys) == (
+        f"tformer sample: error: {minilm_dir} holds an encoder (bert); `tformer sample` needs a language model: use "
+        "`tformer embed`"
+    )
+
+
+def test_embed_names_a_missing_tokenizer_json(saved, capsys, monkeypatch):
+    bert = saved("bert").path  # HF's tiny BERT, saved without a tokenizer
+    assert not (bert / "tokenizer.json").exists()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a\n"))
+    assert main(["embed", "--checkpoint", str(bert)]) == 2
+    assert one_line(capsys).endswith(
+        f"{bert}: no tokenizer.json, and sentence embeddings need the model's tokenizer: put the tokenizer.json the "
+        "model was trained with beside its weights"
+    )
 
 
 def test_the_python_api_names_common_mistakes(saved, minilm, tmp_path, monkeypatch):
@@ -179,8 +204,16 @@ def test_the_python_api_names_common_mistakes(saved, minilm, tmp_path, monkeypat
     assert next(model.parameters()).dtype == torch.bfloat16  # a dtype's name works as well as the dtype
     with pytest.raises(InteropError, match="dtype='int8' is not a floating-point dtype"):
         load_pretrained(saved("gpt2").path, dtype="int8")
+    with pytest.raises(InteropError, match=r"dtype=torch.int8 is not a floating-point dtype; .*tformer.quantize"):
+        load_pretrained(saved("gpt2").path, dtype=torch.int8)
     with pytest.raises(InteropError, match="device='gpu' is not a torch device; use e.g. 'cpu' or 'cuda'"):
         load_pretrained(saved("gpt2").path, device="gpu")
+    if not torch.cuda.is_available():  # a machine without CUDA: the error comes before loading, naming the device
+        with pytest.raises(InteropError, match=r"device='cuda' is not available here .*; use device='cpu'"):
+            load_pretrained(saved("gpt2").path, device="cuda")
+    missing = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda:0"
+    with pytest.raises(InteropError, match=f"device='{missing}' is not available here"):
+        load_pretrained(saved("gpt2").path, device=missing)
     with pytest.raises(TypeError, match="pass pretrained.model .*, not the Pretrained"):
         save_pretrained(minilm, "never-written")
     with pytest.raises(TypeError, match="save_pretrained takes a tformer model .*; got dict"):
@@ -203,6 +236,29 @@ def test_weights_without_config_json_are_named_as_a_hugging_face_directory_missi
         "(it holds model.safetensors but no config.json, which a Hugging Face model directory needs beside its weights)"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_it_cannot_write_is_one_error_naming_it(saved, tmp_path, monkeypatch):
+    model = load_pretrained(saved("gpt2").path).model
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):  # a read-only folder, as seen by a user who is not root
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    with pytest.raises(InteropError, match=r"/ro/out: cannot write there \(Permission denied\); choose a folder"):
+        save_pretrained(model, tmp_path / "ro" / "out")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_hugging_face_directory_given_to_load_checkpoint_names_load_pretrained(gpt2_dir):
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(gpt2_dir)
+    assert str(error.value).endswith(
+        "(it is a Hugging Face model directory (config.json): load it with tformer.load_pretrained)"
+    )
 
 
 def test_a_file_given_as_a_run_names_the_formats_that_load(tmp_path, capsys):

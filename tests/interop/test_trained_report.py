@@ -86,6 +86,7 @@ def test_report_with_a_checkpoint_writes_the_trained_section(with_tokenizer, tmp
     text = (out / "report.md").read_text()
     assert f"## Trained: The claims on trained weights: {trained.display_name(path)}" in text
     assert f"--checkpoint {path}" in text and "Var(q.k/sqrt(d_k))" in text
+    assert "    tformer report --quick --out report --only trained --checkpoint " in text  # the command reruns this
     assert (out / f"trained-{trained._slug(trained.display_name(path))}.png").is_file()
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 OTHER_COMMAND = {"lm": "sample", "seq2seq": "translate", "encoder": "embed"}
+KIND_NAME = {"lm": "a language model", "seq2seq": "a seq2seq model", "encoder": "an encoder"}
 
 
 def add_device_flags(p, *, quantize: bool = False) -> None:
@@ -75,8 +76,8 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
     held = next(k for k, cls in MODEL_CLASSES.items() if type(pretrained.model) is cls)
     if held != kind:
         raise ValueError(
-            f"{path} holds {'an' if held in ('encoder', 'lm') else 'a'} {held!r} model ({pretrained.family}); "
-            f"`tformer {command}` needs {kind!r} (use `tformer {OTHER_COMMAND[held]}`)"
+            f"{path} holds {KIND_NAME[held]} ({pretrained.family}); `tformer {command}` needs {KIND_NAME[kind]}: use "
+            f"`tformer {OTHER_COMMAND[held]}`"
         )
     if pretrained.tokenizer is None:
         raise ValueError(f"{path}: no tokenizer.json beside the weights; `tformer {command}` needs one to read text")
@@ -112,7 +113,8 @@ def load_run(path: str, kind: str | None, device: str, command: str):
     if kind is not None and ckpt.kind != kind:
         other = OTHER_COMMAND[ckpt.kind]
         raise ValueError(
-            f"{ckpt.path} holds a {ckpt.kind!r} model; `tformer {command}` needs {kind!r} (use `tformer {other}`)"
+            f"{ckpt.path} holds {KIND_NAME[ckpt.kind]} ({ckpt.kind!r}); `tformer {command}` needs {KIND_NAME[kind]} "
+            f"({kind!r}): use `tformer {other}`"
         )
     return ckpt
 
@@ -146,7 +148,8 @@ def _damaged_latest_error(path: str, err: Exception) -> Exception:
 
 
 def report_errors(command: str, run: Callable[[], int]) -> int:
-    """``run()``, or exit code 2 with one line on stderr for a bad setting or checkpoint."""
+    """``run()``, or exit code 2 with one line on stderr for a bad setting or checkpoint, or exit code 1 with one
+    line for what the system refused (a full disk, a file gone mid-run): writers leave nothing half-written."""
     from tformer.training.checkpoint import CheckpointError
 
     try:
@@ -154,3 +157,8 @@ def report_errors(command: str, run: Callable[[], int]) -> int:
     except (ValueError, CheckpointError) as err:
         print(f"tformer {command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if isinstance(err, BrokenPipeError):  # the reader of stdout is gone: tformer.cli.main ends quietly
+            raise
+        print(f"tformer {command}: error: {err}", file=sys.stderr)
+        return 1

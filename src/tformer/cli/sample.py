@@ -59,6 +59,18 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=_run_sample)
 
 
+def _check_utf8(prompt: str) -> None:
+    """``ValueError`` for a ``--prompt`` whose bytes are not UTF-8 (Python hands them over as lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = ord(prompt[err.start]) - 0xDC00 if 0xDC80 <= ord(prompt[err.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else f"{prompt[err.start]!r}"
+        raise ValueError(
+            f"--prompt is not valid UTF-8 ({what} at character {err.start}); pass the prompt as UTF-8 text"
+        ) from None
+
+
 def _run_sample(args: argparse.Namespace) -> int:
     def run() -> int:
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
@@ -67,6 +79,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             check_max_new_tokens(args.max_new_tokens)
         if not args.prompt:
             raise ValueError(EMPTY_PROMPT)
+        _check_utf8(args.prompt)
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         apply_quantize(loaded.model, args.quantize)
         from tformer.generation.static import LAST_TIMINGS, auto_compile, auto_static_cache
@@ -74,6 +87,7 @@ def _run_sample(args: argparse.Namespace) -> int:
         device = next(loaded.model.parameters()).device
         compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
         static = not compiled and auto_static_cache(loaded.model)  # compiled decoding has a static cache already
+        LAST_TIMINGS.clear()  # the timings of this call's decoding, if it compiles one
         sample_to(
             sys.stdout,
             loaded.model,
@@ -91,7 +105,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             static_cache=static,
             note=lambda message: print(f"tformer sample: note: {message}", file=sys.stderr),
         )
-        if compiled:
+        if compiled and LAST_TIMINGS:  # empty when nothing ran (--max-new-tokens 0)
             times = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in LAST_TIMINGS.items())
             print(f"tformer sample: compiled decoding ({times}, compilation included)", file=sys.stderr)
         return 0

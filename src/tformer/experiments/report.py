@@ -136,10 +136,17 @@ def _environment() -> str:
     return f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()}, {cpu}, 1 torch thread"
 
 
-def render_report(runs: Sequence[ExperimentRun], out_dir: Path, size: Size, seconds: float) -> str:
-    """The Markdown page for ``runs`` (PNG links relative to ``out_dir``)."""
+def render_report(
+    runs: Sequence[ExperimentRun], out_dir: Path, size: Size, seconds: float, seed: int | None = None
+) -> str:
+    """The Markdown page for ``runs`` (PNG links relative to ``out_dir``), headed by the command that reruns them."""
     shown = out_dir.as_posix() if not out_dir.is_absolute() else out_dir.name
     command = "tformer report" + (" --quick" if size == "quick" else "") + f" --out {shown}"
+    ran = [r.name for r in runs if not r.checkpoint]
+    if ran != list(EXPERIMENTS):  # a subset (--only): rerunning must not run every experiment
+        command += f" --only {','.join(ran) or 'trained'}"
+    if seed is not None:
+        command += f" --seed {seed}"
     command += "".join(f" --checkpoint {shown_path(r.checkpoint)}" for r in runs if r.checkpoint)
     lines = [
         "# The source's claims, measured on tformer",
@@ -197,7 +204,7 @@ def write_report(
         if echo:
             echo(format_console(run) + "\n")
     path = out_dir / "report.md"
-    path.write_text(render_report(runs, out_dir, size, time.perf_counter() - start), encoding="utf-8")
+    path.write_text(render_report(runs, out_dir, size, time.perf_counter() - start, seed), encoding="utf-8")
     if echo:
         echo(f"wrote {path}")
     return path

@@ -108,7 +108,7 @@ def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | No
         start, name = ckpt.special_ids()[1], p.resolve().name
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ExploreError(
-            f"{path} holds a {type(model).__name__}; the page shows language models and encoder-decoders"
+            f"{path} holds an encoder ({type(model).__name__}); the page shows language models and encoder-decoders"
         )
     kind = "lm" if isinstance(model, DecoderLM) else "seq2seq"
     return Explorer(model.eval(), tokenizer, name, kind, start)

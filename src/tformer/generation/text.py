@@ -69,10 +69,10 @@ def sample_to(
     """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
     Bad settings raise ``ValueError`` before anything is written. ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``.
     The text ends at ``eos_id`` (one id or several; ``None``: the tokenizer's ``eos_id``, if it has one);
-    ``note``: called to say that the prompt is longer than the model's trained context (rotary or sinusoidal
-    positions work at any length, but the model never saw those positions: quality may drop; generating past it,
-    as the default length does for small models, is not noted); ``sampling``: the other arguments of
-    ``generate``."""
+    ``note``: called to say that the prompt is longer than the model's trained context (learned positions: the
+    model sees the prompt's last ``max_seq_len`` tokens; rotary or sinusoidal positions work at any length, but the
+    model never saw those positions: quality may drop; generating past it, as the default length does for small
+    models, is not noted); ``sampling``: the other arguments of ``generate``."""
     ids = tokenizer.encode(prompt)
     if not ids and prompt:  # only a char tokenizer built with unknown='skip' drops characters
         raise ValueError(
@@ -84,7 +84,12 @@ def sample_to(
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
     trained = model.cfg.max_seq_len
-    if note is not None and model.cfg.position != "learned" and len(ids) > trained:  # learned: cropped, a window
+    if note is not None and len(ids) > trained and model.cfg.position == "learned":  # generate crops: a window
+        note(
+            f"the prompt's {len(ids)} tokens are more than the model's {trained} learned positions; it sees the "
+            f"last {trained}"
+        )
+    elif note is not None and len(ids) > trained:
         note(
             f"the prompt's {len(ids)} tokens are more than the model's trained context (max_seq_len {trained}); its "
             f"{model.cfg.position} positions go on, but what it generates may degrade"

@@ -98,6 +98,8 @@ def load_pretrained(
             device = torch.device(device)
         except (RuntimeError, TypeError):
             raise InteropError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+    if device is not None:
+        _check_device(device)
     path = Path(path)
     if not path.exists():
         raise InteropError(f"{path}: no such file or directory")
@@ -167,13 +169,37 @@ def family_for(model: nn.Module) -> Family:
     )
 
 
+def _check_device(device: torch.device) -> None:
+    """``InteropError`` for a device this machine lacks, before anything is loaded (torch would fail after the load,
+    with an ``AssertionError``)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InteropError(
+            f"device={str(device)!r} is not available here (torch.cuda.is_available() is False); use device='cpu'"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InteropError(
+            f"device={str(device)!r} is not available here: {torch.cuda.device_count()} CUDA device(s); use 'cuda:0'"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise InteropError(
+            f"device={str(device)!r} is not available here (torch.backends.mps.is_available() is False); use "
+            "device='cpu'"
+        )
+
+
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """``dtype`` as a ``torch.dtype``: one, its name (``"bfloat16"``, ``"torch.bfloat16"``) or ``None``."""
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None:
         return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if isinstance(dtype, torch.dtype):
+        found = dtype
+    else:
+        found = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
-        raise InteropError(f"dtype={dtype!r} is not a floating-point dtype; use e.g. torch.bfloat16 or 'float32'")
+        raise InteropError(
+            f"dtype={dtype!r} is not a floating-point dtype; use e.g. torch.bfloat16 or 'float32' (for int8 weights, "
+            "tformer.quantize(pretrained.model, 'int8') after loading)"
+        )
     return found
 
 
@@ -278,8 +304,16 @@ def check_embedder(pretrained: Pretrained) -> None:
             f"embed needs what tformer.load_pretrained returns (a Pretrained: model and tokenizer); got "
             f"{type(pretrained).__name__}"
         )
-    if not isinstance(pretrained.model, Encoder) or pretrained.tokenizer is None:
-        raise InteropError(f"{pretrained.path}: sentence embeddings need an encoder with a tokenizer (a BERT model)")
+    if not isinstance(pretrained.model, Encoder):
+        raise InteropError(
+            f"{pretrained.path}: sentence embeddings need an encoder with a tokenizer (a BERT model); this is a "
+            f"{pretrained.family} model"
+        )
+    if pretrained.tokenizer is None:
+        raise InteropError(
+            f"{pretrained.path}: no tokenizer.json, and sentence embeddings need the model's tokenizer: put the "
+            "tokenizer.json the model was trained with beside its weights"
+        )
 
 
 def _truncate(ids: list[int], limit: int) -> list[int]:

@@ -310,10 +310,11 @@ def load_gguf(path: Path):
     import tempfile
 
     from tformer.interop import _load_directory
+    from tformer.interop.hf import UnwritableFolder
 
     try:
         folder = cached_directory(path)
-    except OSError:  # no writable cache: convert for this load only
+    except (OSError, UnwritableFolder):  # no writable cache: convert for this load only
         with tempfile.TemporaryDirectory() as tmp:
             pretrained = _load_directory(convert_gguf(path, Path(tmp) / "model"))
             pretrained.path = path

@@ -106,6 +106,10 @@ def special_tokens(token: Callable[[int], str | None], ids: dict[str, int | None
     return {name: piece for name, piece in named.items() if piece is not None}
 
 
+class UnwritableFolder(InteropError):
+    """The folder a model directory was to be written in cannot be written (read-only, forbidden, not a folder)."""
+
+
 def write_directory(
     path: Path,
     config: dict[str, Any],
@@ -120,9 +124,13 @@ def write_directory(
 
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InteropError(f"{path}: already exists and is not an empty folder; choose another path or delete it")
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as err:  # a read-only or forbidden place: nothing was written
+        message = f"{path}: cannot write there ({err.strerror}); choose a folder you can write to"
+        raise UnwritableFolder(message) from err
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -136,7 +144,7 @@ def write_directory(
         if path.exists():
             path.rmdir()
         tmp.rename(path)
-    except BaseException:
+    except BaseException:  # e.g. the disk filled up mid-write: nothing is left, and the error goes on as it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     remove_abandoned(path)

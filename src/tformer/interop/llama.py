@@ -80,13 +80,16 @@ class Llama(Family):
         return None, attention
 
     def _sliding_window(self, hf: dict[str, Any], source: str) -> None:
-        window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings", 0)
+        # Even a window as long as max_position_embeddings is refused: tformer's rotary models run past that length
+        # (a longer prompt is noted, not cut), where transformers' window would start to drop keys.
+        window = hf.get("sliding_window")
         refuse(
-            window is not None and window < positions,
+            window is not None,
             source,
             "sliding_window",
             window,
-            "tformer's attention sees every earlier position",
+            "tformer's attention sees every earlier position, at any length (a model trained with full attention "
+            "may set it to null)",
         )
 
     def keys(self, cfg: TransformerConfig) -> KeyTable:
@@ -186,7 +189,7 @@ class Qwen2(Llama):
 
 
 class Mistral(Llama):
-    """Mistral: Llama's blocks; ``sliding_window`` must be off (``null``) or cover every position."""
+    """Mistral: Llama's blocks; ``sliding_window`` must be off (``null``)."""
 
     name, architecture, model_types = "mistral", "MistralForCausalLM", ("mistral",)
 
