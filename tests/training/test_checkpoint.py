@@ -170,7 +170,8 @@ def test_a_folder_it_cannot_write_is_a_checkpoint_error_naming_it(tmp_path, monk
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", mkdir)
-    with pytest.raises(CheckpointError, match=r"/ro/run: cannot write a checkpoint there \(Permission denied\)"):
+    message = r"/ro/run: cannot write a checkpoint there \(Permission denied\); choose another"
+    with pytest.raises(CheckpointError, match=message):
         _save(tmp_path / "ro" / "run")
     assert os.listdir(tmp_path) == []
 

@@ -248,12 +248,9 @@ def save_checkpoint(
     root = Path(out) / CHECKPOINTS_DIR
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)  # and OUT/checkpoints, if missing
     except OSError as err:  # a read-only or forbidden place: nothing was written
-        raise CheckpointError(
-            f"{out}: cannot write a checkpoint there ({err.strerror}); choose a folder you can write to"
-        ) from err
+        raise CheckpointError(f"{out}: cannot write a checkpoint there ({err.strerror}); choose another") from err
     try:
         files = _write_files(tmp, model, tokenizer, kind, trainer_state)
         manifest = {
@@ -310,17 +307,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if found:
             return found[-1]
     weights = sorted(p.name for p in path.glob("*.safetensors"))
-    if (path / "config.json").is_file():
-        hint = "it is a Hugging Face model directory (config.json): load it with tformer.load_pretrained"
-    elif weights:
-        hint = (
-            f"it holds {weights[0]} but no config.json, which a Hugging Face model directory needs beside its weights"
-        )
-    else:
-        hint = (
-            "train one with `tformer train --out DIR`; other models load from a Hugging Face directory (with "
-            "config.json) or a .gguf file"
-        )
+    hint = (
+        "it is a Hugging Face model directory (config.json): load it with tformer.load_pretrained"
+        if (path / "config.json").is_file()
+        else f"it holds {weights[0]} but no config.json, which a Hugging Face model directory needs beside its weights"
+        if weights
+        else "train one with `tformer train --out DIR`; other models load from a Hugging Face directory (with "
+        "config.json) or a .gguf file"
+    )
     raise CheckpointError(
         f"{path}: not a tformer checkpoint: no {MANIFEST} here and no {CHECKPOINTS_DIR}/step-* checkpoint inside "
         f"({hint})"
