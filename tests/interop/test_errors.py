@@ -178,6 +178,13 @@ def test_sample_given_an_encoder_names_embed(minilm_dir, capsys):
     )
 
 
+def test_embed_names_the_first_line_that_is_not_utf8_and_prints_nothing(minilm_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\nfine\n")))
+    assert main(["embed", "--checkpoint", str(minilm_dir)]) == 2
+    printed = capsys.readouterr()
+    assert printed == ("", "tformer embed: error: line 2 is not valid UTF-8 (byte 0xff at offset 0)\n")
+
+
 def test_embed_names_a_missing_tokenizer_json(saved, capsys, monkeypatch):
     bert = saved("bert").path  # HF's tiny BERT, saved without a tokenizer
     assert not (bert / "tokenizer.json").exists()

@@ -15,6 +15,11 @@ OTHER_COMMAND = {"lm": "sample", "seq2seq": "translate", "encoder": "embed"}
 KIND_NAME = {"lm": "a language model", "seq2seq": "a seq2seq model", "encoder": "an encoder"}
 
 
+def utf8_error(err: UnicodeDecodeError) -> str:
+    """What a strict UTF-8 ``UnicodeDecodeError`` found, for a message: ``not valid UTF-8 (byte 0xff at offset 3)``."""
+    return f"not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start})"
+
+
 def add_device_flags(p, *, quantize: bool = False) -> None:
     """The flags of every command that runs a loaded model: ``--device``, ``--dtype`` and, where the command offers
     it, ``--quantize`` (apply with :func:`apply_quantize`)."""

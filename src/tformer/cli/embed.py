@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tformer.cli.common import add_device_flags, report_errors, torch_dtype
+from tformer.cli.common import add_device_flags, report_errors, torch_dtype, utf8_error
 
 
 def add_cli(subparsers) -> None:
@@ -37,7 +37,7 @@ def read_lines(stream) -> list[str]:
             try:
                 line = line.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"line {number} is not valid UTF-8 (byte at offset {err.start})") from None
+                raise ValueError(f"line {number} is {utf8_error(err)}") from None
         texts.append(line.rstrip("\r\n"))
     return texts
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tformer.cli.common import add_device_flags, apply_quantize, load_model, report_errors
+from tformer.cli.common import add_device_flags, apply_quantize, load_model, report_errors, utf8_error
 from tformer.generation.sampling import check_max_new_tokens, check_sampling_args, row_seeds
 from tformer.generation.text import DEFAULT_NEW_TOKENS, EMPTY_PROMPT, sample_to
 
@@ -60,15 +60,11 @@ def add_cli(subparsers) -> None:
 
 
 def _check_utf8(prompt: str) -> None:
-    """``ValueError`` for a ``--prompt`` whose bytes are not UTF-8 (Python hands them over as lone surrogates)."""
+    """``ValueError`` for a ``--prompt`` whose bytes are not UTF-8 (Python's argv holds them as lone surrogates)."""
     try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as err:
-        byte = ord(prompt[err.start]) - 0xDC00 if 0xDC80 <= ord(prompt[err.start]) <= 0xDCFF else None
-        what = f"byte 0x{byte:02x}" if byte is not None else f"{prompt[err.start]!r}"
-        raise ValueError(
-            f"--prompt is not valid UTF-8 ({what} at character {err.start}); pass the prompt as UTF-8 text"
-        ) from None
+        prompt.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt is {utf8_error(err)}; pass the prompt as UTF-8 text") from None
 
 
 def _run_sample(args: argparse.Namespace) -> int:

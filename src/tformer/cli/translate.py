@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Iterable, Iterator
 
-from tformer.cli.common import add_device_flags, load_model, report_errors
+from tformer.cli.common import add_device_flags, load_model, report_errors, utf8_error
 from tformer.generation.text import translate_lines
 
 
@@ -56,7 +56,7 @@ def _decode_line(line: bytes | str) -> str | ValueError:
     try:
         return line.rstrip(b"\r\n").decode("utf-8")
     except UnicodeDecodeError as err:
-        return ValueError(f"not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start})")
+        return ValueError(utf8_error(err))
 
 
 def _chunks(lines: Iterable[bytes | str], size: int) -> Iterator[list[str | ValueError]]:

@@ -172,19 +172,12 @@ def family_for(model: nn.Module) -> Family:
 def _check_device(device: torch.device) -> None:
     """``InteropError`` for a device this machine lacks, before anything is loaded (torch would fail after the load,
     with an ``AssertionError``)."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InteropError(
-            f"device={str(device)!r} is not available here (torch.cuda.is_available() is False); use device='cpu'"
-        )
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise InteropError(
-            f"device={str(device)!r} is not available here: {torch.cuda.device_count()} CUDA device(s); use 'cuda:0'"
-        )
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise InteropError(
-            f"device={str(device)!r} is not available here (torch.backends.mps.is_available() is False); use "
-            "device='cpu'"
-        )
+    from tformer.training.runtime import unavailable
+
+    missing = unavailable(device)
+    if missing is not None:
+        why, instead = missing
+        raise InteropError(f"device={str(device)!r} is not available here{why}; use device={instead!r}")
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

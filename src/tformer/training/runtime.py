@@ -74,24 +74,27 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except (RuntimeError, TypeError):
         raise ValueError(f"unknown device {name!r}; use --device auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {name!r} is not available here (torch.cuda.is_available() is False); use --device cpu"
-            )
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(
-                f"device {name!r} is not available here: this machine has {count} CUDA device(s), "
-                f"cuda:0 to cuda:{count - 1}; use --device cuda:0"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(
-            f"device {name!r} is not available here (torch.backends.mps.is_available() is False); use --device cpu"
-        )
-    elif device.type not in ("cpu", "mps"):
+    missing = unavailable(device)
+    if missing is not None:
+        why, instead = missing
+        raise ValueError(f"device {name!r} is not available here{why}; use --device {instead}")
+    if device.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"device {name!r} is not supported; use --device auto, cpu, cuda or cuda:N")
     return device
+
+
+def unavailable(device: torch.device) -> tuple[str, str] | None:
+    """``None`` if this machine has ``device`` (or torch cannot tell: a type other than CUDA and MPS), else why not
+    (to follow "is not available here") and the device to use instead."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return " (torch.cuda.is_available() is False)", "cpu"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f": this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}", "cuda:0"
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        return " (torch.backends.mps.is_available() is False)", "cpu"
+    return None
 
 
 def all_ranks_agree(world: World, device: torch.device, ok: bool) -> bool:
