@@ -84,16 +84,17 @@ def sample_to(
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
     trained = model.cfg.max_seq_len
-    if note is not None and len(ids) > trained and model.cfg.position == "learned":  # generate crops: a window
-        note(
-            f"the prompt's {len(ids)} tokens are more than the model's {trained} learned positions; it sees the "
-            f"last {trained}"
-        )
-    elif note is not None and len(ids) > trained:
-        note(
-            f"the prompt's {len(ids)} tokens are more than the model's trained context (max_seq_len {trained}); its "
-            f"{model.cfg.position} positions go on, but what it generates may degrade"
-        )
+    if note is not None and len(ids) > trained:
+        if model.cfg.position == "learned":  # generate crops the prompt: a window
+            note(
+                f"the prompt's {len(ids)} tokens are more than the model's {trained} learned positions; it sees the "
+                f"last {trained}"
+            )
+        else:
+            note(
+                f"the prompt's {len(ids)} tokens are more than the model's trained context (max_seq_len {trained}); "
+                f"its {model.cfg.position} positions go on, but what it generates may degrade"
+            )
     stream = TextStream(tokenizer, out, prefix=prompt)
     new = generate(
         model,

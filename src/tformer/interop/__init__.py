@@ -184,10 +184,7 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """``dtype`` as a ``torch.dtype``: one, its name (``"bfloat16"``, ``"torch.bfloat16"``) or ``None``."""
     if dtype is None:
         return dtype
-    if isinstance(dtype, torch.dtype):
-        found = dtype
-    else:
-        found = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise InteropError(
             f"dtype={dtype!r} is not a floating-point dtype; use e.g. torch.bfloat16 or 'float32' (for int8 weights, "
