@@ -106,6 +106,23 @@ def _random_sources_fixture():
 
 
 @pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """``tmp_path / "ro"``, a folder in which nothing can be made, as a user who is not root sees a read-only one
+    (CI runs as root, who may write anywhere): ``os.mkdir`` of any path inside it raises ``PermissionError``."""
+    import os
+
+    folder, real_mkdir = tmp_path / "ro", os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if str(path).startswith(str(folder)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    return folder
+
+
+@pytest.fixture
 def corpus(tmp_path):
     """A small Python-like text file (about 10k characters)."""
     path = tmp_path / "corpus.txt"

@@ -245,18 +245,10 @@ def test_weights_without_config_json_are_named_as_a_hugging_face_directory_missi
     assert not (tmp_path / "out").exists()
 
 
-def test_a_folder_it_cannot_write_is_one_error_naming_it(saved, tmp_path, monkeypatch):
+def test_a_folder_it_cannot_write_is_one_error_naming_it(saved, tmp_path, read_only):
     model = load_pretrained(saved("gpt2").path).model
-    real_mkdir = os.mkdir
-
-    def mkdir(path, *args, **kwargs):  # a read-only folder, as seen by a user who is not root
-        if str(path).startswith(str(tmp_path / "ro")):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", mkdir)
     with pytest.raises(InteropError, match=r"/ro/out: cannot write there \(Permission denied\); choose a folder"):
-        save_pretrained(model, tmp_path / "ro" / "out")
+        save_pretrained(model, read_only / "out")
     assert os.listdir(tmp_path) == []
 
 

@@ -160,19 +160,10 @@ def test_hand_edited_manifests_are_errors_naming_the_manifest_and_field(tmp_path
         load_checkpoint(tmp_path)
 
 
-def test_a_folder_it_cannot_write_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch):
-    # a read-only folder, as seen by a user who is not root (CI runs as root, who may write anywhere)
-    real_mkdir = os.mkdir
-
-    def mkdir(path, *args, **kwargs):
-        if str(path).startswith(str(tmp_path / "ro")):
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", mkdir)
+def test_a_folder_it_cannot_write_is_a_checkpoint_error_naming_it(tmp_path, read_only):
     message = r"/ro/run: cannot write a checkpoint there \(Permission denied\); choose another"
     with pytest.raises(CheckpointError, match=message):
-        _save(tmp_path / "ro" / "run")
+        _save(read_only / "run")
     assert os.listdir(tmp_path) == []
 
 
