@@ -81,6 +81,26 @@ def test_train_into_a_locked_out_exits_1(tiny_flags, tmp_path, capsys):
     assert "another tformer run is writing to" in _error_line(capsys)
 
 
+def test_train_into_an_out_that_cannot_be_made_exits_1_and_leaves_nothing(tiny_flags, tmp_path, capsys, monkeypatch):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abc\n" * 200)
+    out, real_mkdir = tmp_path / "runs" / "today" / "first", os.mkdir
+
+    def mkdir(path, *args, **kwargs):  # the parents can be made, OUT itself not (as in a folder one may not write)
+        if str(path) == str(out):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    code = main(["train", "--out", str(out), "--data", str(corpus), *tiny_flags, "--no-progress"])
+    assert code == 1
+    assert _error_line(capsys) == (
+        f"tformer train: error: cannot write the run directory {out} (Permission denied); choose an --out you can "
+        "write to"
+    )
+    assert not (tmp_path / "runs").exists()  # the parents the run made are gone again
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -24,15 +24,22 @@ METRICS_FILE = "metrics.jsonl"
 @contextlib.contextmanager
 def run_lock(out: str | os.PathLike) -> Iterator[None]:
     """Hold an exclusive lock on ``OUT/.lock`` (creating ``OUT``) while the body runs; a run already holding it
-    makes this raise :class:`TrainingError` at once. (No-op where ``fcntl`` is missing, i.e. on Windows.)"""
+    makes this raise :class:`TrainingError` at once, and so does an ``OUT`` that cannot be made or written to.
+    (Without ``fcntl``, i.e. on Windows, ``OUT`` is made but not locked.)"""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     try:
+        out.mkdir(parents=True, exist_ok=True)
         import fcntl
+
+        lock = open(out / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (closed by the with below)
     except ImportError:
         yield
         return
-    with open(out / LOCK_FILE, "a+", encoding="utf-8") as f:
+    except OSError as error:
+        raise TrainingError(
+            f"cannot write the run directory {out} ({error.strerror or error}); choose an --out you can write to"
+        ) from None
+    with lock as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -62,6 +69,7 @@ def claimed(out: str | None, world: World, device: torch.device) -> Iterator[Non
                 stack.enter_context(run_lock(out))
             except TrainingError as err:
                 locked = err
+                _remove_unused_run_folder(created)  # the parents of an OUT that could not be made
         if not all_ranks_agree(world, device, locked is None):
             raise locked or TrainingError(f"rank 0 could not lock {out}; another run is writing there")
         try:
@@ -86,6 +94,8 @@ def _remove_unused_run_folder(created: list[Path]) -> None:
     """After a run failed: remove the folders it created (``created``, deepest first: OUT and the parents it
     made), but only while OUT holds nothing but the run's own ``.lock`` and an empty ``metrics.jsonl`` (once
     training has logged a step, the metrics and the loss plot tell what happened, and they are kept)."""
+    if not created:
+        return
     out = created[0]
     entries = list(out.iterdir()) if out.is_dir() else []
     if any(p.name not in (LOCK_FILE, METRICS_FILE) or not p.is_file() for p in entries):
@@ -95,6 +105,8 @@ def _remove_unused_run_folder(created: list[Path]) -> None:
     for p in entries:
         p.unlink()
     for folder in created:
+        if not folder.exists():  # OUT (and parents) that could not be made
+            continue
         try:
             folder.rmdir()  # only an empty folder: anything another process put there meanwhile stays
         except OSError:
