@@ -67,6 +67,8 @@ _EXPORTS = {
     "generate": "tformer.generation.sampling",
     "beam_search": "tformer.generation.seq2seq",
     "greedy_seq2seq": "tformer.generation.seq2seq",
+    "ChatTemplateError": "tformer.generation.chat",
+    "chat_prompt": "tformer.generation.chat",
     "TrainConfig": "tformer.training.config",
     "TrainResult": "tformer.training.config",
     "train": "tformer.training.trainer",
@@ -98,6 +100,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer import functional
     from tformer.config import TransformerConfig
+    from tformer.generation.chat import ChatTemplateError, chat_prompt
     from tformer.generation.sampling import generate
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq
     from tformer.interop import Pretrained, embed, load_pretrained, save_pretrained

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from tests.interop.gguf_files import write_llama_gguf
 from tests.interop.hf_models import PAD, VOCAB, padded, tiny_hf
-from tformer import embed, load_pretrained
+from tformer import chat_prompt, embed, generate, load_pretrained
 from tformer.cli import main
 from tformer.training.checkpoint import load_checkpoint
 
@@ -206,6 +206,27 @@ def test_sample_on_smollm2_knows_the_capital_of_france(smollm, smollm_gguf, caps
         "3",
     )
     assert code == 0 and out.startswith("The capital of France is Paris.")
+
+
+@pytest.mark.slow
+def test_sample_chat_on_smollm2_prints_the_models_reply_alone(smollm, smollm_gguf, capsys):
+    question = "What is the capital of France?"
+    ids = smollm.tokenizer.encode(chat_prompt(smollm.tokenizer, [{"role": "user", "content": question}]), False)
+    new = generate(smollm.model, [ids], max_new_tokens=24, greedy=True, eos_id=list(smollm.generation.eos))[0]
+    args = ("--prompt", question, "--chat", "--greedy", "--max-new-tokens", "24", "--dtype", "float32")
+    code, out, _ = cli(capsys, "sample", "--checkpoint", str(smollm_gguf), *args)
+    assert code == 0 and out == smollm.tokenizer.decode(new) + "\n"
+    assert out == "The capital of France is Paris.\n" and len(new) < 24  # it answered, and ended its turn
+
+
+def test_sample_chat_needs_a_chat_template_and_system_needs_chat(tiny_gguf, capsys):
+    path = str(tiny_gguf[0])  # its tokenizer has no chat template
+    code, out, err = cli(capsys, "sample", "--checkpoint", path, "--prompt", "the cat", "--chat")
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1].startswith("tformer sample: error: the model's tokenizer has no chat template")
+    code, out, err = cli(capsys, "sample", "--checkpoint", path, "--prompt", "the cat", "--system", "Be brief.")
+    assert (code, out) == (2, "")
+    assert err == "tformer sample: error: --system is a chat model's system message: it needs --chat\n"
 
 
 def test_sample_quantize_int8_continues_as_the_quantized_model_does(tiny_gguf, capsys):

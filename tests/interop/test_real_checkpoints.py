@@ -15,7 +15,7 @@ import torch
 import transformers
 from torch.nn import functional as F
 
-from tformer import embed, generate
+from tformer import chat_prompt, embed, generate
 from tformer.models import pad_left
 
 pytestmark = pytest.mark.slow
@@ -107,6 +107,28 @@ def test_smollm2_greedy_text_equals_transformers_generate(smollm, smollm_hf_mode
     assert [tokenizer.decode(o) for o in ours] == [tokenizer.decode(t) for t in theirs]
     assert ours[0][:2] == tokenizer.encode(" Paris.")  # and it knows the answer
     assert len(ours[2]) < 24  # the chat answer ended at <|im_end|>: the list of EOS ids is honoured
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word, ünïcödé ✓."}, {"role": "user", "content": "Name a fruit."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "2+2?"},
+    ],
+]
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_smollm2_chat_prompt_is_transformers_apply_chat_template(smollm, smollm_hf_tokenizer, generation_prompt):
+    for chat in CHATS:
+        text = chat_prompt(smollm.tokenizer, chat, add_generation_prompt=generation_prompt)
+        ref = smollm_hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
+        assert text == ref
+        ids = smollm_hf_tokenizer.apply_chat_template(chat, add_generation_prompt=generation_prompt)["input_ids"]
+        assert smollm.tokenizer.encode(text, add_special_tokens=False) == list(ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant")  # the template's own system turn
 
 
 def test_smollm2_converted_to_a_directory_keeps_its_special_tokens_and_chat_template(

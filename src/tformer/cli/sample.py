@@ -28,6 +28,19 @@ def add_cli(subparsers) -> None:
         help="a training run or checkpoint directory, a Hugging Face model directory, or a .gguf file",
     )
     p.add_argument("--prompt", required=True, help="the text to continue (must encode to at least one token)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="a chat model: send --prompt as the user's message in the layout of the model's chat template "
+        "(tokenizer_config.json's chat_template; GGUF files carry theirs) and print the model's reply alone; it "
+        "ends at the end of the model's turn (the model's eos token)",
+    )
+    p.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="with --chat: a system message before the user's (default: the template's own, if it has one)",
+    )
     more = (
         f"tokens to generate (default {DEFAULT_NEW_TOKENS}); a model with learned positions sees a sliding "
         "window of at most its max_seq_len latest tokens"
@@ -59,12 +72,12 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=_run_sample)
 
 
-def _check_utf8(prompt: str) -> None:
-    """``ValueError`` for a ``--prompt`` whose bytes are not UTF-8 (Python's argv holds them as lone surrogates)."""
+def _check_utf8(text: str, flag: str = "--prompt") -> None:
+    """``ValueError`` for a ``flag`` whose bytes are not UTF-8 (Python's argv holds them as lone surrogates)."""
     try:
-        prompt.encode("utf-8", "surrogateescape").decode("utf-8")
+        text.encode("utf-8", "surrogateescape").decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"--prompt is {utf8_error(err)}; pass the prompt as UTF-8 text") from None
+        raise ValueError(f"{flag} is {utf8_error(err)}; pass it as UTF-8 text") from None
 
 
 def _run_sample(args: argparse.Namespace) -> int:
@@ -76,6 +89,10 @@ def _run_sample(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise ValueError(EMPTY_PROMPT)
         _check_utf8(args.prompt)
+        if args.system is not None and not args.chat:
+            raise ValueError("--system is a chat model's system message: it needs --chat")
+        if args.system is not None:
+            _check_utf8(args.system, "--system")
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         apply_quantize(loaded.model, args.quantize)
         from tformer.generation.static import LAST_TIMINGS, auto_compile, auto_static_cache
@@ -83,12 +100,20 @@ def _run_sample(args: argparse.Namespace) -> int:
         device = next(loaded.model.parameters()).device
         compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
         static = not compiled and auto_static_cache(loaded.model)  # compiled decoding has a static cache already
+        prompt = args.prompt
+        if args.chat:
+            from tformer.generation.chat import chat_prompt
+
+            system = [] if args.system is None else [{"role": "system", "content": args.system}]
+            prompt = chat_prompt(loaded.tokenizer, [*system, {"role": "user", "content": args.prompt}])
         LAST_TIMINGS.clear()  # the timings of this call's decoding, if it compiles one
         sample_to(
             sys.stdout,
             loaded.model,
             loaded.tokenizer,
-            args.prompt,
+            prompt,
+            echo=not args.chat,
+            add_special_tokens=not args.chat,
             max_new_tokens=args.max_new_tokens,
             eos_id=loaded.eos,
             temperature=args.temperature,

@@ -64,16 +64,20 @@ def sample_to(
     max_new_tokens: int | None = None,
     eos_id: int | Sequence[int] | None = None,
     note: Callable[[str], None] | None = None,
+    echo: bool = True,
+    add_special_tokens: bool = True,
     **sampling,
 ) -> list[int]:
     """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
+    ``echo=False`` writes the continuation alone; ``add_special_tokens=False`` encodes the prompt without the
+    tokenizer's own special tokens (a chat prompt holds its template's already: :mod:`tformer.generation.chat`).
     Bad settings raise ``ValueError`` before anything is written. ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``.
     The text ends at ``eos_id`` (one id or several; ``None``: the tokenizer's ``eos_id``, if it has one);
     ``note``: called to say that the prompt is longer than the model's trained context (learned positions: the
     model sees the prompt's last ``max_seq_len`` tokens; rotary or sinusoidal positions work at any length, but the
     model never saw those positions: quality may drop; generating past it, as the default length does for small
     models, is not noted); ``sampling``: the other arguments of ``generate``."""
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt) if add_special_tokens else tokenizer.encode(prompt, add_special_tokens=False)
     if not ids and prompt:  # only a char tokenizer built with unknown='skip' drops characters
         raise ValueError(
             f"every character of the --prompt {prompt!r} is unknown to the tokenizer (it skips unknown characters), "
@@ -95,7 +99,7 @@ def sample_to(
                 f"the prompt's {len(ids)} tokens are more than the model's trained context (max_seq_len {trained}); "
                 f"its {model.cfg.position} positions go on, but what it generates may degrade"
             )
-    stream = TextStream(tokenizer, out, prefix=prompt)
+    stream = TextStream(tokenizer, out, prefix=prompt if echo else "")
     new = generate(
         model,
         [ids],
