@@ -85,6 +85,9 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, and a tied output head by an
     int8 copy of the embedding; returns ``model`` in eval mode, its CPU tensors in one block of memory
     (:func:`tformer.memory.pack_weights`). Embeddings and norms keep their dtype."""
+    if not isinstance(model, nn.Module):
+        pretrained = " (a Pretrained: quantize its .model)" if hasattr(model, "model") else ""
+        raise TypeError(f"quantize takes a model (an nn.Module); got a {type(model).__name__}{pretrained}")
     if scheme != "int8":
         raise ValueError(f"unknown quantization scheme {scheme!r}; tformer has 'int8' (weight-only, per channel)")
     if any(isinstance(m, Int8Linear) for m in model.modules()):

@@ -192,6 +192,7 @@ def test_sample_decodes_over_a_static_cache_exactly_where_blocks_fuse():
     from tformer.generation.static import auto_static_cache
 
     assert auto_static_cache(llama())
+    assert auto_static_cache(llama(), length=64) and not auto_static_cache(llama(), length=65)  # its max_seq_len
     assert auto_static_cache(quantize(llama().bfloat16()))
     assert not auto_static_cache(DecoderLM(TransformerConfig.tiny()))  # GPT-style: LayerNorm, a plain feed-forward
     with kernels.enabled(False):

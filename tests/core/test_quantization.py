@@ -3,6 +3,8 @@ with exactly the dequantized matrix, and a quantized model stays close to the fl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -60,6 +62,8 @@ def test_quantize_replaces_every_linear_and_the_tied_head():
         quantize(model)
     with pytest.raises(ValueError, match="unknown quantization scheme 'int4'"):
         quantize(tiny_lm(), "int4")
+    with pytest.raises(TypeError, match=r"^quantize takes a model \(an nn.Module\); got a SimpleNamespace \(a "):
+        quantize(SimpleNamespace(model=tiny_lm()))  # a Pretrained's shape: its .model is what to quantize
 
 
 def test_a_quantized_model_decodes_the_same_with_and_without_the_cache():

@@ -305,6 +305,9 @@ def test_stop_strings_cut_the_text_before_the_stop(random_lm):
         (dict(prompt_ids=[[1], [2]], seed=2**63 - 1), r"\(row 1 of the batch draws with seed \+ 1\)"),
         (dict(seed=1.5), r"seed \(--seed\) must be an integer or a list of integers; got 1.5"),
         (dict(prompt_ids=torch.zeros(1, 3)), "integer tensor"),
+        (dict(prompt_ids=[[1.0, 2.5]]), r"prompt 0 holds 1.0, which is not a token id: ids are integers"),
+        (dict(prompt_ids=[[1], [2, True]]), r"prompt 1 holds True, which is not a token id"),
+        (dict(prompt_ids=[[1, torch.tensor(2.0)]]), r"prompt 0 holds tensor\(2.\), which is not a token id"),
     ],
 )
 def test_bad_input_raises_clear_value_errors(random_lm, kwargs, message):
@@ -312,6 +315,55 @@ def test_bad_input_raises_clear_value_errors(random_lm, kwargs, message):
     args = dict(prompt_ids=[[1, 2]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(model, args.pop("prompt_ids"), **args)
+
+
+def test_token_ids_may_be_any_integers_and_greedy_ignores_the_sampling_settings(random_lm):
+    import numpy as np
+
+    model = random_lm()
+    first = generate(model, [[1, 2]], max_new_tokens=4, greedy=True)
+    assert generate(model, [[np.int64(1), torch.tensor(2)]], max_new_tokens=4, greedy=True) == first
+    assert generate(model, [[1, 2]], max_new_tokens=4, greedy=True, temperature=0.0, top_k=0, top_p=7.0) == first
+
+
+@pytest.mark.parametrize("position", ["rotary", "learned"])
+def test_the_growing_cache_takes_memory_for_the_tokens_made_not_for_max_new_tokens(random_lm, position):
+    from tformer.generation.sampling import GROW, IncrementalLM
+
+    model = random_lm(position)
+    first = generate(model, [[1, 2, 3]], max_new_tokens=1, greedy=True)[0][0]
+    assert generate(model, [[1, 2, 3]], max_new_tokens=10**12, greedy=True, eos_id=first) == [[]]  # no 8 TB buffer
+    lm = IncrementalLM(
+        model,
+        torch.tensor([[0, 1, 2], [5, 1, 2]]),
+        torch.tensor([[False, True, True]] + [[True] * 3]),
+        max_new_tokens=10**12,
+    )
+    lm.prefill()
+    for _ in range(GROW + 5):  # past the first width: the buffers double
+        lm.step(torch.tensor([4, 4]))
+    assert lm.ids.shape[1] == lm.mask.shape[1] == 2 * (3 + GROW) and lm.length == 3 + GROW + 5
+    seen = lm.mask[:, : lm.length]
+    if position == "rotary":  # no window: the prompt (row 0 padded), then every token made
+        assert seen[:, 3:].all() and seen[:, :3].tolist() == [[False, True, True], [True, True, True]]
+    else:  # 64 learned positions: each row sees what it made since its last restart
+        assert min(lm.starts) > 3 and seen.sum(-1).tolist() == [lm.length - start for start in lm.starts]
+
+
+def test_growing_and_static_caches_give_the_same_long_left_padded_generations(random_lm):
+    from tformer.generation.sampling import GROW
+
+    model, prompts = random_lm(), [[1, 2, 3, 4, 5], [6, 7]]
+    growing = generate(model, prompts, max_new_tokens=2 * GROW + 40, greedy=True)  # across two doublings
+    assert growing == generate(model, prompts, max_new_tokens=2 * GROW + 40, greedy=True, static_cache=True)
+    assert growing[1] == generate(model, [prompts[1]], max_new_tokens=2 * GROW + 40, greedy=True)[0]
+
+
+def test_a_static_cache_larger_than_the_machine_is_refused_before_allocating(random_lm):
+    with pytest.raises(
+        ValueError, match=r"a static cache of 1000000000003 positions for 1 row needs [\d.]+ GiB, more "
+    ):
+        generate(random_lm(), [[1, 2, 3]], max_new_tokens=10**12, static_cache=True)
 
 
 def test_bad_seed_is_an_error_even_when_nothing_is_generated(random_lm):

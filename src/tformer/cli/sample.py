@@ -67,7 +67,8 @@ def add_cli(subparsers) -> None:
         "bfloat16 and float16 the compiled kernels round differently, so a near tie can pick another token). auto: "
         "on CUDA yes, on the CPU no (there the compile costs minutes; tformer.generation.static.auto_compile gives "
         "the measured rule). Not compiled, a Llama-style model on the CPU decodes over a static cache, each block one "
-        "kernel call (tformer.generation.static.auto_static_cache)",
+        "kernel call, when the prompt and --max-new-tokens fit its trained context (else the growing cache, whose "
+        "memory follows the tokens made; tformer.generation.static.auto_static_cache)",
     )
     p.set_defaults(func=_run_sample)
 
@@ -97,15 +98,17 @@ def _run_sample(args: argparse.Namespace) -> int:
         apply_quantize(loaded.model, args.quantize)
         from tformer.generation.static import LAST_TIMINGS, auto_compile, auto_static_cache
 
-        device = next(loaded.model.parameters()).device
-        compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
-        static = not compiled and auto_static_cache(loaded.model)  # compiled decoding has a static cache already
         prompt = args.prompt
         if args.chat:
             from tformer.generation.chat import chat_prompt
 
             system = [] if args.system is None else [{"role": "system", "content": args.system}]
             prompt = chat_prompt(loaded.tokenizer, [*system, {"role": "user", "content": args.prompt}])
+        device = next(loaded.model.parameters()).device
+        compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
+        new = DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+        length = len(loaded.tokenizer.encode(prompt)) + new  # (with --chat: at most its special tokens more)
+        static = not compiled and auto_static_cache(loaded.model, length)  # compiled decoding has a static cache
         LAST_TIMINGS.clear()  # the timings of this call's decoding, if it compiles one
         sample_to(
             sys.stdout,

@@ -57,13 +57,15 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None, greedy: bool) -> None:
     """Raise ``ValueError`` for settings that define no distribution. The messages name the argument and its
-    ``tformer sample`` flag, as both reach users."""
-    if not greedy and not temperature > 0:
+    ``tformer sample`` flag, as both reach users. Greedy decoding ignores all three, so nothing is checked then."""
+    if greedy:
+        return
+    if not temperature > 0:
         raise ValueError(
             f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
             f"(greedy=True, --greedy); got {temperature}"
         )
-    if not greedy and not math.isfinite(temperature):  # T = inf would ignore the model: every token equally likely
+    if not math.isfinite(temperature):  # T = inf would ignore the model: every token equally likely
         raise ValueError(
             f"temperature (--temperature) must be a finite number > 0 (T = inf samples uniformly, "
             f"ignoring the model); got {temperature}"
@@ -192,6 +194,9 @@ class SamplingRule:
 # --------------------------------------------------------------------------------------------------
 # Feeding the model step by step
 # --------------------------------------------------------------------------------------------------
+GROW = 256  # columns IncrementalLM's token buffers hold past the prompt at first; they double when full
+
+
 def context_window(cfg) -> int | None:
     """How many tokens the model may see at once: ``max_seq_len`` with learned positions, else ``None`` (no limit)."""
     return cfg.max_seq_len if cfg.position == "learned" else None
@@ -216,15 +221,17 @@ class IncrementalLM:
     ) -> None:
         B, P = ids.shape
         self.model, self.use_cache, self.length = model, use_cache, P
-        self.ids = ids.new_empty(B, P + max_new_tokens)  # (B, P + max_new_tokens): prompt, then generated tokens
+        self.end = P + max_new_tokens  # the columns a generation can fill; the buffers grow to it as tokens come
+        width = min(self.end, P + GROW)
+        self.ids = ids.new_empty(B, width)  # (B, width): prompt, then generated tokens
         self.ids[:, :P] = ids
         self.mask = None  # stays None without padding: the decoder then needs no mask at all
         if mask is not None:
-            self.mask = mask.new_ones(B, P + max_new_tokens)  # (B, P + max_new_tokens): generated tokens are real
+            self.mask = mask.new_ones(B, width)  # (B, width): generated tokens are real
             self.mask[:, :P] = mask
         self.cache = None
         self.window = context_window(model.cfg)
-        self.base, self.limit = 0, self.ids.shape[1]  # no window: every column, and no restart ever
+        self.base, self.limit = 0, self.end  # no window: every column, and no restart ever
         if self.window is not None:
             real = [P] * B if mask is None else mask.sum(dim=-1).tolist()  # prompt tokens of each row
             self.starts = [P - min(n, self.window) for n in real]  # a longer prompt is cropped to its last W
@@ -236,8 +243,25 @@ class IncrementalLM:
         if self.mask is not None:  # rows with padding restart at their own steps: mask each before its start
             columns = torch.arange(self.mask.shape[1], device=self.mask.device)
             starts = torch.tensor(self.starts, device=self.mask.device)
-            self.mask &= columns[None, :] >= starts[:, None]  # (B, P + max_new_tokens)
+            self.mask &= columns[None, :] >= starts[:, None]  # (B, width); later columns: after every start
         # without padding all rows have one start, and the model sees exactly ids[:, base:length]
+
+    def _room(self) -> None:
+        """A column for token ``length`` in ``ids`` (and ``mask``): the buffers double when full, up to ``end``, so
+        that memory follows the tokens made, not ``max_new_tokens`` (an EOS may end a row long before it)."""
+        width = self.ids.shape[1]
+        if self.length < width:
+            return
+        more = min(self.end, max(self.length + 1, 2 * width)) - width
+        self.ids = torch.cat([self.ids, self.ids.new_empty(self.ids.shape[0], more)], dim=1)
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], more)], dim=1)
+
+    def keep(self, tokens: Tensor) -> None:
+        """Append ``tokens (B,)`` without running the model (the last token of a generation)."""
+        self._room()
+        self.ids[:, self.length] = tokens
+        self.length += 1
 
     def _mask(self) -> Tensor | None:
         return None if self.mask is None else self.mask[:, self.base : self.length]
@@ -250,6 +274,7 @@ class IncrementalLM:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
+        self._room()
         self.ids.select(1, self.length).copy_(tokens)  # ids[:, length] = tokens, in fewer calls
         self.length += 1
         if self.length > self.limit:  # a row's window is full: it restarts (learned positions only)
@@ -285,7 +310,7 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
         )
     if any(isinstance(p, str) for p in prompt_ids):
         raise TypeError("prompt_ids must be lists of token ids, not texts: pass [tokenizer.encode(t) for t in texts]")
-    prompts = [[int(t) for t in p] for p in prompt_ids]
+    prompts = [[_token_id(t, i) for t in p] for i, p in enumerate(prompt_ids)]
     if not prompts:
         raise ValueError("prompt_ids is empty: give at least one prompt")
     for i, p in enumerate(prompts):
@@ -295,6 +320,17 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
         if bad:
             raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
     return prompts
+
+
+def _token_id(t: object, row: int) -> int:
+    """``t`` as a token id: an integer (Python's, NumPy's, or a one-value integer tensor), never a float or a bool,
+    which ``int()`` would truncate to some other id without a word."""
+    if isinstance(t, Tensor):
+        if t.numel() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            return int(t)
+    elif isinstance(t, numbers.Integral) and not isinstance(t, bool):
+        return int(t)
+    raise ValueError(f"prompt {row} holds {t!r}, which is not a token id: ids are integers (not floats or bools)")
 
 
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; the signed range is the one every device accepts
@@ -427,8 +463,7 @@ def _decode_block(lm: IncrementalLM, rule: SamplingRule, max_new_tokens: int) ->
         if n < max_new_tokens - 1:
             logits = lm.step(token)
         else:  # the last token is kept, not fed
-            lm.ids[:, lm.length] = token
-            lm.length += 1
+            lm.keep(token)
     return lm.ids[:, lm.length - max_new_tokens : lm.length]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import weakref
 
@@ -100,10 +101,13 @@ def auto_compile(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def auto_static_cache(model: DecoderLM) -> bool:
+def auto_static_cache(model: DecoderLM, length: int | None = None) -> bool:
     """The rule ``tformer sample`` follows when it does not compile: decode over a static cache when every block of
     ``model`` runs a decode step as one kernel call there (:mod:`tformer.fused`: CPU, Llama-style blocks, the kernels
-    built), else over the default, growing cache.
+    built) and the generation's ``length`` (prompt + new tokens; ``None``: not known) fits the model's trained
+    context (``max_seq_len``), else over the default, growing cache. A static cache is allocated for the whole
+    length before the first token; past the trained context the growing cache takes memory only for the tokens
+    made (a large ``--max-new-tokens`` is a limit an EOS usually ends long before).
 
     Why: over a static cache the blocks of such a model are one ``tformer::decode_blocks`` call, where the growing
     cache runs ~9 modules a block from Python. SmolLM2-135M in bfloat16 on an AMD EPYC (Zen 5), 2 threads, 256
@@ -114,7 +118,30 @@ def auto_static_cache(model: DecoderLM) -> bool:
     parameters = next(model.parameters(), None)
     if parameters is None or parameters.device.type != "cpu" or not kernels.uses_block_kernel():
         return False
+    if length is not None and length > model.cfg.max_seq_len:
+        return False
     return all(fused.fits(block) for block in model.decoder.stack.blocks)
+
+
+def _check_fits(model: DecoderLM, batch: int, positions: int) -> None:
+    """``ValueError`` when a static cache of ``positions`` for ``batch`` rows needs more bytes than the machine has
+    (physical memory; where the OS does not say, nothing is checked): it is allocated before the first token, so a
+    huge ``max_new_tokens`` would fail there with an allocator's error even when an EOS would end the row at once."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return
+    cfg = model.cfg
+    width = next(model.parameters()).element_size() * cfg.head_dim * cfg.kv_heads
+    needed = 2 * cfg.num_layers * batch * positions * width  # keys and values, every block
+    if needed > memory:
+        rows = f"{batch} row{'s' * (batch != 1)}"
+        raise ValueError(
+            f"a static cache of {positions} positions for {rows} needs {needed / 2**30:.1f} GiB, more than this "
+            f"machine's {memory / 2**30:.1f} GiB; lower max_new_tokens (--max-new-tokens), or decode on the default "
+            "cache, which grows with the tokens made (static_cache=False and compile=False; tformer sample "
+            "--compile off)"
+        )
 
 
 def round_up(n: int, to: int = BUCKET) -> int:
@@ -134,8 +161,10 @@ class StaticLM:
         if window is not None and P + max_new_tokens > window:
             raise ValueError(
                 f"a static cache holds the whole sequence: prompt {P} + max_new_tokens {max_new_tokens} exceeds the "
-                f"model's {window} learned positions (use the default cache, which slides a window)"
+                f"model's {window} learned positions (use the default cache, which slides a window: static_cache="
+                "False and compile=False; tformer sample --compile off)"
             )
+        _check_fits(model, B, P + max_new_tokens)
         device = ids.device
         if mask is None:
             mask = torch.ones(B, P, dtype=torch.bool, device=device)
@@ -159,6 +188,11 @@ class StaticLM:
         self.replay: tuple | None = None  # (graph, arguments): the compiled step, called without dynamo
         self.compiled = compile
         self.steps = 0
+
+    def keep(self, tokens: Tensor) -> None:
+        """Append ``tokens (B,)`` without running the model (the last token of a generation)."""
+        self.ids[:, self.length] = tokens
+        self.length += 1
 
     def prefill(self) -> Tensor:
         """Logits of the token after the prompt ``(B, V)``; the prompt's keys and values go to columns ``0 .. P-1``."""
