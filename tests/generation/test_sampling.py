@@ -328,7 +328,9 @@ def test_token_ids_may_be_any_integers_and_greedy_ignores_the_sampling_settings(
 
 @pytest.mark.parametrize("position", ["rotary", "learned"])
 def test_the_growing_cache_takes_memory_for_the_tokens_made_not_for_max_new_tokens(random_lm, position):
-    from tformer.generation.sampling import GROW, IncrementalLM
+    from tformer.generation.sampling import IncrementalLM
+
+    GROW = IncrementalLM.GROW
 
     model = random_lm(position)
     first = generate(model, [[1, 2, 3]], max_new_tokens=1, greedy=True)[0][0]
@@ -351,7 +353,9 @@ def test_the_growing_cache_takes_memory_for_the_tokens_made_not_for_max_new_toke
 
 
 def test_growing_and_static_caches_give_the_same_long_left_padded_generations(random_lm):
-    from tformer.generation.sampling import GROW
+    from tformer.generation.sampling import IncrementalLM
+
+    GROW = IncrementalLM.GROW
 
     model, prompts = random_lm(), [[1, 2, 3, 4, 5], [6, 7]]
     growing = generate(model, prompts, max_new_tokens=2 * GROW + 40, greedy=True)  # across two doublings

@@ -194,9 +194,6 @@ class SamplingRule:
 # --------------------------------------------------------------------------------------------------
 # Feeding the model step by step
 # --------------------------------------------------------------------------------------------------
-GROW = 256  # columns IncrementalLM's token buffers hold past the prompt at first; they double when full
-
-
 def context_window(cfg) -> int | None:
     """How many tokens the model may see at once: ``max_seq_len`` with learned positions, else ``None`` (no limit)."""
     return cfg.max_seq_len if cfg.position == "learned" else None
@@ -216,13 +213,15 @@ class IncrementalLM:
     (for every row: rows of different prompt lengths restart at different steps, each refilling all of them).
     """
 
+    GROW = 256  # columns the token buffers hold past the prompt at first; they double when full (_room)
+
     def __init__(
         self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int, use_cache: bool = True
     ) -> None:
         B, P = ids.shape
         self.model, self.use_cache, self.length = model, use_cache, P
         self.end = P + max_new_tokens  # the columns a generation can fill; the buffers grow to it as tokens come
-        width = min(self.end, P + GROW)
+        width = min(self.end, P + self.GROW)
         self.ids = ids.new_empty(B, width)  # (B, width): prompt, then generated tokens
         self.ids[:, :P] = ids
         self.mask = None  # stays None without padding: the decoder then needs no mask at all
@@ -249,8 +248,7 @@ class IncrementalLM:
     def _room(self) -> None:
         """A column for token ``length`` in ``ids`` (and ``mask``): the buffers double when full, up to ``end``, so
         that memory follows the tokens made, not ``max_new_tokens`` (an EOS may end a row long before it)."""
-        width = self.ids.shape[1]
-        if self.length < width:
+        if self.length < (width := self.ids.shape[1]):
             return
         more = min(self.end, max(self.length + 1, 2 * width)) - width
         self.ids = torch.cat([self.ids, self.ids.new_empty(self.ids.shape[0], more)], dim=1)
