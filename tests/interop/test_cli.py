@@ -219,6 +219,26 @@ def test_sample_chat_on_smollm2_prints_the_models_reply_alone(smollm, smollm_ggu
     assert out == "The capital of France is Paris.\n" and len(new) < 24  # it answered, and ended its turn
 
 
+def test_sample_decodes_over_a_static_cache_only_within_the_trained_context(tiny_gguf, capsys, monkeypatch):
+    import tformer.generation.text as text
+
+    chosen, real = [], text.generate
+
+    def spy(*args, **kwargs):
+        chosen.append(kwargs["static_cache"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(text, "generate", spy)
+    path = tiny_gguf[0]  # a Llama of 64 positions: its blocks fuse
+    room = 64 - len(load_pretrained(path).tokenizer.encode("the cat"))
+    for new in (room, room + 1, 0):
+        assert (
+            cli(capsys, "sample", "--checkpoint", str(path), "--prompt", "the cat", "--max-new-tokens", str(new))[0]
+            == 0
+        )
+    assert chosen == [True, False, True]
+
+
 def test_sample_chat_needs_a_chat_template_and_system_needs_chat(tiny_gguf, capsys):
     path = str(tiny_gguf[0])  # its tokenizer has no chat template
     code, out, err = cli(capsys, "sample", "--checkpoint", path, "--prompt", "the cat", "--chat")

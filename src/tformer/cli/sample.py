@@ -96,7 +96,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             _check_utf8(args.system, "--system")
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         apply_quantize(loaded.model, args.quantize)
-        from tformer.generation.static import LAST_TIMINGS, auto_compile, auto_static_cache
+        from tformer.generation.static import LAST_TIMINGS, auto_compile
 
         prompt = args.prompt
         if args.chat:
@@ -106,9 +106,6 @@ def _run_sample(args: argparse.Namespace) -> int:
             prompt = chat_prompt(loaded.tokenizer, [*system, {"role": "user", "content": args.prompt}])
         device = next(loaded.model.parameters()).device
         compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
-        new = DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
-        length = len(loaded.tokenizer.encode(prompt)) + new  # (with --chat: at most its special tokens more)
-        static = not compiled and auto_static_cache(loaded.model, length)  # compiled decoding has a static cache
         LAST_TIMINGS.clear()  # the timings of this call's decoding, if it compiles one
         sample_to(
             sys.stdout,
@@ -126,7 +123,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop or None,
             compile=compiled,
-            static_cache=static,
+            static_cache=False if compiled else None,  # compiled decoding has a static cache; else the rule
             note=lambda message: print(f"tformer sample: note: {message}", file=sys.stderr),
         )
         if compiled and LAST_TIMINGS:  # empty when nothing ran (--max-new-tokens 0)
