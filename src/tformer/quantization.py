@@ -9,7 +9,9 @@ PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``); elsewhere th
 
 A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself
 stays in floating point (a lookup reads only the rows of the tokens it is given). The result is for inference: the
-codes are buffers, not parameters, and ``quantize`` puts the model in eval mode.
+codes are buffers, not parameters, and ``quantize`` puts the model in eval mode. Gradients still flow through a
+quantized layer to its input (``dx = (dy * s) Q``: input saliency, or training what stays in floating point, such as
+the embeddings and norms); the codes and scales get none.
 
 Shapes: B, T, C, V (the package legend, :mod:`tformer`).
 """
@@ -34,6 +36,36 @@ def _fused(x: Tensor, in_features: int) -> bool:
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     return x.dtype != torch.bfloat16 or in_features % 16 == 0
+
+
+def _product(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``(x (..., I) @ codes (O, I)^T) * scale (O,) + bias (O,)`` in ``x``'s dtype, by the fastest path that takes
+    ``x``."""
+    if kernels.uses_int8_kernel(x, codes):  # a decode step: tformer's int8 matrix-vector kernel
+        return kernels.int8_linear(x, codes, scale, bias)
+    if _fused(x, codes.shape[1]):
+        flat = x.reshape(-1, x.shape[-1])  # (B*T, I)
+        y = torch._weight_int8pack_mm(flat, codes, scale.to(x.dtype)).reshape(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x, codes.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class _Int8Product(torch.autograd.Function):
+    """:func:`_product` with a gradient for ``x``: ``dx = (dy * s) Q``, from the int8 codes (the fused kernel has no
+    derivative; this keeps only the codes for the backward, not a float copy of the matrix). The codes, scales and
+    bias are buffers: they get none."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(codes, scale)
+        return _product(x, codes, scale, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: Tensor):
+        codes, scale = ctx.saved_tensors
+        return (dy * scale.to(dy.dtype)) @ codes.to(dy.dtype), None, None, None
 
 
 class Int8Linear(nn.Module):
@@ -67,15 +99,9 @@ class Int8Linear(nn.Module):
         return self.dequantized()
 
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        if kernels.uses_int8_kernel(x, self.codes):  # a decode step: tformer's int8 matrix-vector kernel
-            return kernels.int8_linear(x, self.codes, self.scale, self.bias)
-        if _fused(x, self.in_features):
-            flat = x.reshape(-1, shape[-1])  # (B*T, in)
-            y = torch._weight_int8pack_mm(flat, self.codes, self.scale.to(x.dtype)).reshape(*shape[:-1], -1)
-        else:
-            y = F.linear(x, self.codes.to(x.dtype)) * self.scale.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        if torch.is_grad_enabled() and x.requires_grad:  # a gradient for x (the buffers take none)
+            return _Int8Product.apply(x, self.codes, self.scale, self.bias)
+        return _product(x, self.codes, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -34,6 +34,42 @@ def test_the_layer_computes_with_the_dequantized_matrix(dtype, width):
     assert ours <= 2 * plain + 1e-6  # the fused int8 kernel rounds no worse than the plain same-dtype product
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [24, 32])  # bfloat16: 24 takes the dequantizing path, 32 the fused kernel
+@pytest.mark.parametrize("rows", [1, 15])  # 1: tformer's int8 kernel in the forward (kernels.MAX_ROWS), 15: not
+def test_the_gradient_reaches_the_input_through_the_codes(dtype, width, rows):
+    g = torch.Generator().manual_seed(2)
+    w, dy = torch.randn(40, width, generator=g), torch.randn(rows, 40, generator=g)
+    layer = Int8Linear.from_weight(w.to(dtype), torch.randn(40, generator=g).to(dtype))
+    x = torch.randn(rows, width, generator=g).to(dtype).requires_grad_()
+    y = layer(x)
+    assert torch.equal(y.detach(), layer(x.detach()))  # the forward runs the same product as without autograd
+    y.backward(dy.to(dtype))
+    oracle = dy.double() @ layer.dequantized().double()  # float64: dL/dx of x (s Q)^T
+    plain_dx = (dy.to(dtype) @ layer.dequantized()).double()
+    error, plain_error = (x.grad.double() - oracle).abs().max(), (plain_dx - oracle).abs().max()
+    assert error <= 2 * plain_error + 1e-5  # no worse than the same-dtype product with the dequantized matrix
+    assert layer.codes.grad is None and layer.scale.grad is None
+
+
+def test_a_quantized_model_passes_gradients_to_its_embedding():
+    model, ids = tiny_lm(seed=3), torch.arange(12).reshape(2, 6)
+    dequantized = tiny_lm(seed=3)  # the same model with each matrix replaced by its dequantized float copy
+    quantize(model)
+    for name, layer in model.named_modules():
+        if isinstance(layer, Int8Linear) and name != "head":
+            dequantized.get_submodule(name).weight.data.copy_(layer.dequantized())
+    dequantized.head = nn.Linear(model.cfg.d_model, model.cfg.vocab_size, bias=False)
+    dequantized.head.weight.data.copy_(model.head.dequantized())
+    grads = []
+    for m in (model, dequantized):
+        m.zero_grad()
+        m(ids).logsumexp(-1).sum().backward()
+        grads.append(m.decoder.embed.tokens.weight.grad)
+    # float32 both, the same matrices: only the order of the additions differs (1e-5 of the gradient's scale)
+    assert (grads[0] - grads[1]).abs().max() <= 1e-5 * grads[1].abs().max()
+
+
 def tiny_lm(seed: int = 0, **changes) -> DecoderLM:
     torch.manual_seed(seed)
     cfg = TransformerConfig.tiny(position="rotary", num_kv_heads=2, **changes)
