@@ -21,6 +21,7 @@ def test_info_describes_the_model(lm_client):
     status, info = lm_client.request("GET", "/api/info")
     assert status == 200
     assert info["kind"] == "lm" and info["layers"] == {"self": 2} and (info["heads"], info["kv_heads"]) == (4, 2)
+    assert info["dtype"] == "float32"  # the checkpoint's; --dtype bfloat16 shows as "bfloat16" (test_server)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.6}])

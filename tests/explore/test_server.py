@@ -160,6 +160,8 @@ def test_cli_quantize_int8_serves_the_quantized_model(lm_checkpoint, monkeypatch
 
     served = []
     monkeypatch.setattr(ExploreServer, "server_close", lambda self: served.append(self.explorer))
-    assert run_cli_briefly(monkeypatch, ["--checkpoint", str(lm_checkpoint), "--port", "0", "--quantize", "int8"]) == 0
+    args = ["--checkpoint", str(lm_checkpoint), "--port", "0", "--quantize", "int8", "--dtype", "bfloat16"]
+    assert run_cli_briefly(monkeypatch, args) == 0
     assert "(int8) at http://127.0.0.1:" in capsys.readouterr().out
     assert any(isinstance(m, Int8Linear) for m in served[0].model.modules())
+    assert served[0].info()["dtype"] == "bfloat16"  # the page names what the model computes in

@@ -83,6 +83,7 @@ class Explorer:
             "position": cfg.position,
             "norm_first": cfg.norm_first,
             "max_tokens": self.max_tokens,
+            "dtype": str(self.model.decoder.embed.tokens.weight.dtype).removeprefix("torch."),  # what it computes in
         }
 
 

@@ -314,7 +314,7 @@ async function main() {
   const i = state.info;
   $("model-info").textContent = `${i.name}: ${i.kind === "lm" ? "language model" : "encoder-decoder"}, ` +
     `${Object.values(i.layers)[0]} layers, ${i.heads} heads (${i.kv_heads} kv), d_model ${i.d_model}, ` +
-    `${i.position} positions, ${i.norm_first ? "Pre-LN" : "Post-LN"}`;
+    `${i.position} positions, ${i.norm_first ? "Pre-LN" : "Post-LN"}, ${i.dtype}`;
   $("target-row").hidden = i.kind !== "seq2seq";
   $("analyze").addEventListener("click", analyze);
   $("sample").addEventListener("click", sampleOne);
