@@ -3,7 +3,8 @@ HTTP server. Nothing is fetched from anywhere else; the page's Content-Security-
 
 API (``POST``, a JSON object in, a JSON object out; a bad request gets a 4xx and ``{"error": "one line"}``):
 
-* ``/api/info`` (``GET``): the model: name, kind (``lm`` or ``seq2seq``), attention kinds, layers, heads, ..., the dtype it computes in
+* ``/api/info`` (``GET``): the model: name, kind (``lm`` or ``seq2seq``), attention kinds, layers, heads, ..., the
+  dtype it computes in
 * ``/api/analyze`` ``{"prompt", "temperature"=1, "top_k"=null, "top_p"=null, "target"=""}``: ``tokens`` (each
   token's text), ``ids``, ``next`` (the top of the next-token distribution: ``id``, ``token``, ``prob`` after the
   filters and renormalization, ``raw`` before them, ``kept``) and ``layers`` (per attention kind, per layer, each
