@@ -240,6 +240,27 @@ def test_pairs_that_is_a_folder_says_so(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--data", "data must be a text file or a folder (--data); got '' (use --data . for the current folder)"),
+        ("--pairs", "pairs must be a file of source<TAB>target lines (--pairs); got ''"),
+        ("--cache-dir", "cache_dir must be a folder (--cache-dir); got '' (use --cache-dir . for the current folder)"),
+    ],
+)
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(tmp_path, capsys, flag, message):
+    assert main(["train", "--out", str(tmp_path / "run"), flag, ""]) == 2
+    assert _error_line(capsys) == f"tformer train: error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pairs_file_that_is_not_utf8_leaves_no_out(tmp_path, capsys):
+    (tmp_path / "pairs.tsv").write_bytes(b"one\tuno\ntwo\tdos \xe9\n")
+    assert main(["train", "--out", str(tmp_path / "run"), "--pairs", str(tmp_path / "pairs.tsv"), "--steps", "2"]) == 2
+    assert "is not UTF-8 text (line 2: byte 0xe9 at offset 16)" in _error_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_on_a_folder_without_text_leaves_no_out(tiny_flags, tmp_path, capsys):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0")

@@ -21,6 +21,19 @@ def test_pairs_file(tmp_path):
         load_pairs("/dev/null")
 
 
+def test_pairs_file_of_other_bytes_names_the_line_and_the_byte(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes(b"a\tb\r\nc\td\re\tf\n")  # \n, \r\n and a lone \r: each ends a line, as text mode reads them
+    assert load_pairs(path) == [("a", "b"), ("c", "d"), ("e", "f")]
+    path.write_bytes("caf\u00e9\tcoffee\n".encode() + b"the\ttea \xb4\n")  # latin-1 on line 2
+    with pytest.raises(ValueError) as err:
+        load_pairs(path)
+    assert str(err.value) == (
+        f"pairs file {path} is not UTF-8 text (line 2: byte 0xb4 at offset 21); pass a UTF-8 file of "
+        "source<TAB>target lines (--pairs)"
+    )
+
+
 def test_pairs_split_is_fixed_disjoint_and_complete():
     train, val = split_pairs(50, 0.2)
     assert len(val) == 10 and not set(train) & set(val) and sorted([*train, *val]) == list(range(50))

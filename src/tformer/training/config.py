@@ -243,7 +243,7 @@ class TrainConfig:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         for name in ("data", "pairs", "cache_dir"):  # absolute, so that --resume works from any directory
-            if isinstance(getattr(self, name), str):
+            if isinstance(getattr(self, name), str) and getattr(self, name):  # '' stays, for validate to refuse
                 setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
         if isinstance(self.betas, list):  # JSON has no tuples
             self.betas = tuple(self.betas)
@@ -333,6 +333,12 @@ class TrainConfig:
             raise ConfigError(f"cache_dir {self.cache_dir} is a file (--cache-dir); give a folder", "cache_dir")
         if self.out == "":
             raise ConfigError("out must be a directory (--out); got '' (use --out . for the current directory)", "out")
+        paths = {"data": "a text file or a folder", "pairs": "a file of source<TAB>target lines"}
+        for name, what in {**paths, "cache_dir": "a folder"}.items():
+            if getattr(self, name) == "":  # Path("") is the current directory: never what an empty value meant
+                flag = "--" + name.replace("_", "-")
+                hint = "" if name == "pairs" else f" (use {flag} . for the current folder)"
+                raise ConfigError(f"{name} must be {what} ({flag}); got ''{hint}", name)
         if self.out is None:
             if self.resume:
                 raise ConfigError("resume needs the run directory to resume (--out)", "resume", "out")

@@ -3,6 +3,7 @@ fixed split into training and validation pairs."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -24,12 +25,22 @@ def check_pairs_file(path: str | os.PathLike) -> Path:
 def load_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
     """Read ``source<TAB>target`` lines of a UTF-8 text file; blank lines are skipped.
 
-    A line without exactly one tab, or with an empty side, is a ``ValueError`` naming the file and line; a path
-    that is not a regular file is an error saying what it is (:func:`check_pairs_file`).
+    A line without exactly one tab, or with an empty side, or bytes that are not UTF-8, is a ``ValueError``
+    naming the file and line; a path that is not a regular file is an error saying what it is
+    (:func:`check_pairs_file`).
     """
     path = check_pairs_file(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"pairs file {path} is not UTF-8 text (line {line}: byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "pass a UTF-8 file of source<TAB>target lines (--pairs)"
+        ) from None
     pairs = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with io.StringIO(text, newline="") as f:  # lines end as in the file: \n, \r\n or \r
         for number, line in enumerate(f, start=1):
             line = line.rstrip("\r\n")
             if not line.strip():
