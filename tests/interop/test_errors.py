@@ -201,8 +201,16 @@ def test_the_python_api_names_common_mistakes(saved, minilm, tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)  # where a wrongly accepted save_pretrained would write
 
-    with pytest.raises(TypeError, match=r"texts must be a list of strings; got str \(wrap one text: \[text\]\)"):
+    with pytest.raises(TypeError, match=r"texts must be a list of strings; got a str \(wrap one text: \[text\]\)"):
         embed(minilm, "A man is eating food.")
+    with pytest.raises(TypeError, match=r"^texts must be strings; texts\[1\] is a NoneType: None$"):
+        embed(minilm, ["a", None])
+    with pytest.raises(TypeError, match=r"^texts must be strings; texts\[0\] is a bytes: b'abc'$"):
+        embed(minilm, [b"abc"])
+    with pytest.raises(ValueError, match=r"^texts\[1\] is not Unicode text: '\\ud800' at index 2 is a lone surrogate$"):
+        embed(minilm, ["a", "ab\ud800"])  # what the tokenizer would refuse with its own type error
+    texts = ["A man is eating food.", "A man is eating a piece of bread."]
+    assert torch.equal(embed(minilm, (t for t in texts)), embed(minilm, texts))  # any iterable of strings
     with pytest.raises(ValueError, match="batch_size must be >= 1; got 0"):
         embed(minilm, ["a"], batch_size=0)
     with pytest.raises(TypeError, match="embed needs what tformer.load_pretrained returns .*; got Encoder"):

@@ -19,7 +19,10 @@ def add_cli(subparsers) -> None:
         help="sentence embeddings of stdin's lines (a BERT-family model), one JSON array per line",
         description="Read one text per line on stdin (UTF-8); print each text's embedding as a JSON array on its own "
         "line: the encoder's last hidden states mean-pooled over the real tokens and L2-normalized, as "
-        "sentence-transformers computes them. An empty line is embedded as the empty text.",
+        "sentence-transformers computes them. An empty line is embedded as the empty text. A text longer than the "
+        "model's max_seq_length (sentence-transformers' setting, e.g. 256 tokens for all-MiniLM-L6-v2; else its "
+        "position table) is cut to it, as sentence-transformers does. A line that is not UTF-8 stops the command "
+        "before anything is printed.",
     )
     p.add_argument("--checkpoint", required=True, help="a Hugging Face BERT directory with a tokenizer.json")
     p.add_argument("--batch-size", type=int, default=32, help="texts encoded together (default 32)")

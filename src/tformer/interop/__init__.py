@@ -13,6 +13,7 @@ Shapes: B, T, C (the package legend, :mod:`tformer`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,13 +263,12 @@ def _hf_tokenizer(tokenizer: Any | None) -> HFTokenizer | None:
 
 
 @torch.inference_mode()
-def embed(pretrained: Pretrained, texts: list[str], *, batch_size: int = 32) -> Tensor:
+def embed(pretrained: Pretrained, texts: Iterable[str], *, batch_size: int = 32) -> Tensor:
     """Sentence embeddings ``(N, C)`` as sentence-transformers computes them: the encoder's last hidden states averaged
     over each text's real tokens (mask-weighted mean pooling), then L2-normalized. Texts longer than the model's
     ``max_length`` (sentence-transformers' ``max_seq_length``; else the position table) are truncated."""
     check_embedder(pretrained)
-    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-        raise TypeError(f"texts must be a list of strings; got {type(texts).__name__} (wrap one text: [text])")
+    texts = _texts(texts)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     model, tokenizer = pretrained.model, pretrained.tokenizer
@@ -285,6 +285,24 @@ def embed(pretrained: Pretrained, texts: list[str], *, batch_size: int = 32) -> 
         mean = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)  # (B, C)
         out.append(F.normalize(mean.float(), p=2, dim=-1))
     return torch.cat(out) if out else torch.empty(0, model.cfg.d_model)
+
+
+def _texts(texts: Any) -> list[str]:
+    """``texts`` as a list of strings that UTF-8 can encode: ``TypeError`` naming a value that is not a string,
+    ``ValueError`` naming a string with a lone surrogate (the tokenizer cannot take it)."""
+    if isinstance(texts, str | bytes) or not isinstance(texts, Iterable):
+        raise TypeError(f"texts must be a list of strings; got a {type(texts).__name__} (wrap one text: [text])")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts must be strings; texts[{i}] is a {type(text).__name__}: {text!r:.60}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"texts[{i}] is not Unicode text: {text[err.start]!r} at index {err.start} is a lone surrogate"
+            ) from None
+    return texts
 
 
 def check_embedder(pretrained: Pretrained) -> None:
