@@ -39,12 +39,12 @@ def _fused(x: Tensor, in_features: int) -> bool:
 
 
 def _product(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    """``(x (..., I) @ codes (O, I)^T) * scale (O,) + bias (O,)`` in ``x``'s dtype, by the fastest path that takes
-    ``x``."""
+    """``(x @ codes^T) * scale + bias`` (one scale and bias value per row of ``codes``) in ``x``'s dtype, by the
+    fastest path that takes ``x``."""
     if kernels.uses_int8_kernel(x, codes):  # a decode step: tformer's int8 matrix-vector kernel
         return kernels.int8_linear(x, codes, scale, bias)
     if _fused(x, codes.shape[1]):
-        flat = x.reshape(-1, x.shape[-1])  # (B*T, I)
+        flat = x.reshape(-1, x.shape[-1])  # (B*T, in)
         y = torch._weight_int8pack_mm(flat, codes, scale.to(x.dtype)).reshape(*x.shape[:-1], -1)
     else:
         y = F.linear(x, codes.to(x.dtype)) * scale.to(x.dtype)

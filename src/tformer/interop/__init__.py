@@ -32,6 +32,7 @@ from tformer.interop.llama import Llama, Mistral, Qwen2
 from tformer.interop.marian import Marian
 from tformer.memory import pack_weights
 from tformer.models import DecoderLM, Encoder, EncoderDecoder, pad_right
+from tformer.training import finetune
 from tformer.training.tokenizers import TOKENIZER_FILE, HFTokenizer
 
 FAMILIES: dict[str, Family] = {
@@ -322,6 +323,15 @@ def check_embedder(pretrained: Pretrained) -> None:
             f"{pretrained.path}: no tokenizer.json, and sentence embeddings need the model's tokenizer: put the "
             "tokenizer.json the model was trained with beside its weights"
         )
+
+
+def _start_from(path: Path) -> tuple[nn.Module, HFTokenizer | None]:
+    """What a fine-tuning run (``init_from``) starts from: the model in float32 and its tokenizer."""
+    pretrained = load_pretrained(path, dtype=torch.float32)
+    return pretrained.model, pretrained.tokenizer
+
+
+finetune.READERS.append((is_pretrained, _start_from))
 
 
 def _truncate(ids: list[int], limit: int) -> list[int]:

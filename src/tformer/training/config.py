@@ -153,6 +153,15 @@ class TrainConfig:
         expected="a dict of TransformerConfig fields",
         flag="",
     )
+    init_from: str | None = setting(
+        None,
+        "fine-tune: start from this model's architecture, weights and tokenizer (a tformer run or checkpoint, a "
+        "Hugging Face folder or a GGUF file)",
+        group="model",
+        expected="a path",
+        sources=("data",),
+        why="a seq2seq run builds its own model and tokenizer",
+    )
     block_size: int = setting(
         128, "LM context length", group="model", rule=positive, sources=("data",), why=_WHOLE_EXAMPLES
     )
@@ -242,7 +251,7 @@ class TrainConfig:
         for name in ("out", "data", "pairs", "cache_dir"):  # paths are kept as strings (JSON in checkpoints)
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
-        for name in ("data", "pairs", "cache_dir"):  # absolute, so that --resume works from any directory
+        for name in ("data", "pairs", "cache_dir", "init_from"):  # absolute: --resume works from any directory
             if isinstance(getattr(self, name), str) and getattr(self, name):  # '' stays, for validate to refuse
                 setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
         if isinstance(self.betas, list):  # JSON has no tuples
@@ -282,6 +291,24 @@ class TrainConfig:
 
     def _field(self, name: str) -> dataclasses.Field:
         return next(f for f in dataclasses.fields(self) if f.name == name)
+
+    def _check_paths(self) -> None:
+        """The paths but ``out``'s folder: none empty (``Path("")`` is the current folder, never what an empty value
+        meant), the cache a folder, the model to fine-tune (:func:`tformer.training.finetune.check_init_from`)."""
+        if self.cache_dir is not None and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
+            raise ConfigError(f"cache_dir {self.cache_dir} is a file (--cache-dir); give a folder", "cache_dir")
+        if self.out == "":
+            raise ConfigError("out must be a directory (--out); got '' (use --out . for the current directory)", "out")
+        paths = {"data": "a text file or a folder", "pairs": "a file of source<TAB>target lines"}
+        for name, what in {**paths, "cache_dir": "a folder", "init_from": "a model"}.items():
+            if getattr(self, name) == "":
+                flag = "--" + name.replace("_", "-")
+                hint = "" if name in ("pairs", "init_from") else f" (use {flag} . for the current folder)"
+                raise ConfigError(f"{name} must be {what} ({flag}); got ''{hint}", name)
+        if self.init_from is not None:
+            from tformer.training.finetune import check_init_from  # it imports this module
+
+            check_init_from(self)
 
     def _check_combinations(self) -> None:
         """The checks that involve more than one setting, or the machine."""
@@ -329,16 +356,7 @@ class TrainConfig:
                 "dropout",
                 "attn_backend",
             )
-        if self.cache_dir is not None and Path(self.cache_dir).exists() and not Path(self.cache_dir).is_dir():
-            raise ConfigError(f"cache_dir {self.cache_dir} is a file (--cache-dir); give a folder", "cache_dir")
-        if self.out == "":
-            raise ConfigError("out must be a directory (--out); got '' (use --out . for the current directory)", "out")
-        paths = {"data": "a text file or a folder", "pairs": "a file of source<TAB>target lines"}
-        for name, what in {**paths, "cache_dir": "a folder"}.items():
-            if getattr(self, name) == "":  # Path("") is the current directory: never what an empty value meant
-                flag = "--" + name.replace("_", "-")
-                hint = "" if name == "pairs" else f" (use {flag} . for the current folder)"
-                raise ConfigError(f"{name} must be {what} ({flag}); got ''{hint}", name)
+        self._check_paths()
         if self.out is None:
             if self.resume:
                 raise ConfigError("resume needs the run directory to resume (--out)", "resume", "out")
@@ -408,21 +426,10 @@ def check_saved_value(name: str, value: Any) -> str | None:
 
 # Settings that define the model and its data: a resumed run must keep them.
 STRUCTURAL = (
-    "data",
-    "task",
-    "pairs",
-    "tokenizer",
-    "vocab_size",
-    "unknown",
-    "val_fraction",
-    "model",
-    "block_size",
-    "task_min_len",
-    "task_max_len",
-    "task_held_out",
-    "batch_size",
+    "init_from", "data", "task", "pairs", "tokenizer", "vocab_size", "unknown",
+    "val_fraction", "model", "block_size", "task_min_len", "task_max_len", "task_held_out", "batch_size",
     "seed",
-)
+)  # fmt: skip
 
 
 @dataclass

@@ -333,6 +333,11 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """A corpus's stream of ids (fine-tuning on text, :mod:`tformer.training.finetune`): no special tokens, as
+        a piece of running text, not a sequence of its own."""
+        return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

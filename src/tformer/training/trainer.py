@@ -49,6 +49,7 @@ from tformer.training.checkpoint import Checkpoint, CheckpointError, find_latest
 from tformer.training.config import TrainConfig, TrainResult, model_config
 from tformer.training.corpus import CorpusScan, scan_corpus
 from tformer.training.datasets import RunData, prepare_data
+from tformer.training.finetune import starting_config, starting_model
 from tformer.training.losses import evaluate_loss, exact_match, loss_sum
 from tformer.training.metrics import MetricsLog
 from tformer.training.optim import autocast_dtype, cpu_has_native_bfloat16, lr_at, make_optimizer, step_seed
@@ -73,6 +74,8 @@ def train(cfg: TrainConfig, *, init: Init | None = None) -> TrainResult:
         raise ConfigError(
             "init re-initializes a fresh model; a resumed run continues its checkpoint's weights", "resume"
         )
+    if init is not None and cfg.init_from is not None:
+        raise ConfigError("init re-initializes a fresh model; init_from starts from a model's weights", "init_from")
     scan = scan_corpus(cfg.data) if cfg.kind == "lm" else None  # the corpus's text files (a folder with none fails)
     if cfg.pairs is not None:
         check_pairs_file(cfg.pairs)
@@ -131,14 +134,21 @@ class Trainer:
     ) -> Trainer:
         """Load the checkpoint to resume (if any), prepare the data, and build or restore the model."""
         ckpt = checkpoint_to_resume(cfg)
+        start = starting_model(cfg) if cfg.init_from is not None and ckpt is None else None  # (model, tokenizer)
         if world.main and scan is not None and scan.skipped():
             print(f"data: skipped {scan.skipped()} under {cfg.data}", file=sys.stderr)
+        tokenizer = ckpt.tokenizer if ckpt else start[1] if start else None
         for turn in (True, False):  # rank 0 builds the tokenizer and token caches first; the others then read them
             if world.main == turn:
-                data = prepare_data(cfg, ckpt.tokenizer if ckpt else None, scan.files if scan else [])
+                data = prepare_data(cfg, tokenizer, scan.files if scan else [])
             world.barrier()
-        config = model_config(cfg, data.tokenizer, data.max_len)
-        if ckpt is not None:
+        if cfg.init_from is not None:  # the model the run started from, as saved (a resumed run: its checkpoint's)
+            config = start[0].cfg if start else starting_config(cfg, ckpt.config)
+        else:
+            config = model_config(cfg, data.tokenizer, data.max_len)
+        if start is not None:
+            trainer = cls(cfg, world, device, data, start[0], 0)
+        elif ckpt is not None:
             if ckpt.config != config:
                 raise CheckpointError(f"{ckpt.path}: saved model config {ckpt.config} differs from {config}")
             trainer = cls(cfg, world, device, data, ckpt.model, ckpt.step)

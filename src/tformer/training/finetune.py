@@ -1,0 +1,99 @@
+"""Fine-tuning (``init_from``, ``tformer train --init-from PATH``): a language-model run that starts from another
+model's architecture, weights and tokenizer instead of a fresh model, e.g. GPT-2 or SmolLM2 trained further on
+your own text.
+
+``PATH`` is anything ``tformer sample`` reads: a tformer run or checkpoint, a Hugging Face folder or a GGUF file
+(dequantized). The model is rebuilt in float32 from its config and its weights copied in, so a run trains a plain
+:class:`~tformer.models.DecoderLM` whatever the file held; of the model settings only those that shape no weight
+(:data:`CHANGEABLE`: dropout, the attention backend) may be set, and the tokenizer is the model's. The run's
+checkpoints are ordinary ones: ``--resume``, ``sample``, ``explore`` and ``convert`` read them as any other run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tformer.config import ConfigError, TransformerConfig
+from tformer.models import DecoderLM
+from tformer.training.checkpoint import CheckpointError, load_checkpoint
+from tformer.training.config import MODEL_FLAGS, TrainConfig
+from tformer.training.tokenizers import Tokenizer
+
+# Readers of the formats that tformer.interop (a layer above training) loads: Hugging Face folders and GGUF files,
+# each (accepts(path), load(path) -> (float32 model, tokenizer)), registered when tformer.interop is imported (which
+# `import tformer` does); a path none of them accepts is read as a tformer run or checkpoint.
+READERS: list[tuple[Callable[[Path], bool], Callable[[Path], tuple[nn.Module, Any]]]] = []
+CHANGEABLE = ("dropout", "attn_backend")  # the model settings a fine-tuning run may set: they shape no weight
+TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "unknown")  # the starting model's tokenizer is the run's
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+    """``ConfigError`` (from :meth:`TrainConfig.validate`) for an ``init_from`` that does not exist, or with
+    settings of the model's shape or of the tokenizer, which come from it."""
+    if not Path(cfg.init_from).exists():
+        raise ConfigError(
+            f"init_from {cfg.init_from} does not exist (--init-from); give a tformer run or checkpoint, a Hugging "
+            "Face folder or a GGUF file",
+            "init_from",
+        )
+    fixed = [name for name in cfg.model if name not in CHANGEABLE]
+    if fixed:
+        flags = ", ".join(MODEL_FLAGS[name].flag if name in MODEL_FLAGS else name for name in fixed)
+        raise ConfigError(f"{flags}: the model's shape comes from --init-from; leave them out", "model")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in TOKENIZER_SETTINGS}
+    changed = [name for name, value in defaults.items() if getattr(cfg, name) != value]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise ConfigError(f"{flags}: the tokenizer comes from --init-from; leave them out", *changed)
+
+
+def starting_model(cfg: TrainConfig) -> tuple[DecoderLM, Tokenizer]:
+    """The model (float32, on the CPU, in train mode) and tokenizer a run with ``cfg.init_from`` starts from;
+    ``ValueError`` naming the path for anything that is not a decoder-only language model with a tokenizer."""
+    path = Path(cfg.init_from)
+    reader = next((load for accepts, load in READERS if accepts(path)), None)
+    if reader is not None:
+        source, tokenizer = reader(path)
+    else:
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointError as err:
+            raise ValueError(f"--init-from: {err}") from None
+        source, tokenizer = ckpt.model, ckpt.tokenizer
+    if not isinstance(source, DecoderLM):
+        raise ValueError(
+            f"--init-from {path} holds {_kind(source)}; a language-model run (--data) starts from a "
+            "decoder-only language model (GPT-2, Llama, Qwen2, Mistral or a tformer LM run)"
+        )
+    if tokenizer is None:
+        raise ValueError(f"--init-from {path} has no tokenizer.json; training on text needs the model's tokenizer")
+    config = starting_config(cfg, source.cfg)
+    model = DecoderLM(config)
+    model.load_state_dict({k: v.float() for k, v in source.state_dict().items()})
+    return model.train(), tokenizer
+
+
+def _kind(model: object) -> str:
+    names = {"Encoder": "an encoder (a BERT model)", "EncoderDecoder": "an encoder-decoder (a translation model)"}
+    return names.get(type(model).__name__, f"a {type(model).__name__}")
+
+
+def starting_config(cfg: TrainConfig, source: TransformerConfig) -> TransformerConfig:
+    """``source`` with the run's model settings (dropout, attention backend: the config checks that there are no
+    others); ``ConfigError`` if ``cfg.block_size`` is longer than its learned positions."""
+    config = dataclasses.replace(source, **cfg.model)
+    if config.position == "learned" and config.max_seq_len < cfg.block_size:
+        raise ConfigError(
+            f"block_size={cfg.block_size} is longer than the {config.max_seq_len} learned positions of "
+            f"--init-from {cfg.init_from}; use --block-size {config.max_seq_len} or less",
+            "block_size",
+        )
+    return config
+
+
+__all__ = ["CHANGEABLE", "check_init_from", "starting_config", "starting_model"]
