@@ -81,6 +81,20 @@ def test_train_into_a_locked_out_exits_1(tiny_flags, tmp_path, capsys):
     assert "another tformer run is writing to" in _error_line(capsys)
 
 
+def test_resume_of_a_run_that_has_not_saved_yet_names_the_run_not_a_missing_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    with run_lock(out):  # a fresh run, writing, before its first checkpoint
+        assert main(["train", "--out", str(out), "--resume", "--steps", "5"]) == 1
+        assert _error_line(capsys) == (
+            f"tformer train: error: --resume: another tformer run is writing to {out} (pid {os.getpid()}) and has "
+            "saved no checkpoint yet; wait for it to save one (or to end), or choose another --out"
+        )
+    assert main(["train", "--out", str(out), "--resume", "--steps", "5"]) == 2  # no run there any more
+    assert _error_line(capsys) == (
+        f"tformer train: error: --resume: no checkpoint in {out / 'checkpoints'}; train without --resume first"
+    )
+
+
 def test_train_into_an_out_that_cannot_be_made_exits_1_and_leaves_nothing(tiny_flags, tmp_path, capsys, monkeypatch):
     corpus = tmp_path / "c.txt"
     corpus.write_text("abc\n" * 200)

@@ -45,11 +45,18 @@ def _saved_settings(given: dict[str, Any], model: dict[str, Any]) -> dict[str, A
     """The ``train_config`` of the run in ``--out``, without what the flags given now replace."""
     from tformer.training.checkpoint import CheckpointError, find_latest, read_manifest
     from tformer.training.resume import damaged_checkpoint_error
-    from tformer.training.runtime import resolve_device, triton_interpreter
+    from tformer.training.rundir import writer_of
+    from tformer.training.runtime import TrainingError, resolve_device, triton_interpreter
 
     out = given["out"]
     latest = find_latest(out)
     if latest is None:
+        pid = writer_of(out)
+        if pid is not None:  # a run that has not saved its first checkpoint yet
+            raise TrainingError(
+                f"--resume: another tformer run is writing to {out} (pid {pid}) and has saved no checkpoint yet; "
+                "wait for it to save one (or to end), or choose another --out"
+            )
         raise FileNotFoundError(f"--resume: no checkpoint in {Path(out) / 'checkpoints'}; train without --resume first")
     try:
         manifest = read_manifest(latest)

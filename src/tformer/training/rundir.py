@@ -54,6 +54,22 @@ def run_lock(out: str | os.PathLike) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
+def writer_of(out: str | os.PathLike) -> str | None:
+    """The pid (as ``OUT/.lock`` holds it) of a run writing to ``out`` now, else ``None``; takes no lock."""
+    try:
+        import fcntl
+
+        f = open(Path(out) / LOCK_FILE, encoding="utf-8")  # noqa: SIM115 (closed by the with below)
+    except (ImportError, OSError):
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "unknown"
+        return None  # closing the file releases the shared lock
+
+
 @contextlib.contextmanager
 def claimed(out: str | None, world: World, device: torch.device) -> Iterator[None]:
     """Run the body holding ``out``'s lock (rank 0 holds it; every rank learns whether it got it). If the body fails
