@@ -183,7 +183,9 @@ class TrainConfig:
     betas: tuple[float, float] = setting(
         (0.9, 0.99), "AdamW's moment decays", group="optimization", rule=_betas_rule, expected="two numbers"
     )
-    grad_clip: float = setting(1.0, "max gradient norm", group="optimization", rule=finite_at_least(0, "0 = off"))
+    grad_clip: float = setting(
+        1.0, "max gradient norm (0: no clipping)", group="optimization", rule=finite_at_least(0, "0 = off")
+    )
     label_smoothing: float = setting(
         0.1,
         "seq2seq: the share of each target's probability spread over the vocabulary",
@@ -241,11 +243,13 @@ class TrainConfig:
         20, "LM validation batches", group="bookkeeping", rule=positive, sources=("data",), why=_HELD_OUT
     )
     save_every: int = setting(
-        500, "steps between checkpoints", group="bookkeeping", rule=non_negative("0 turns it off")
+        500, "steps between checkpoints (0: only at the end)", group="bookkeeping", rule=non_negative("0 turns it off")
     )
     keep: int = setting(2, "newest checkpoints kept, older ones deleted", group="bookkeeping", rule=positive)
     log_every: int = setting(10, "steps between progress/metrics updates", group="bookkeeping", rule=positive)
-    progress: bool = setting(True, "show a progress bar", group="bookkeeping", flag_help="no progress bar")
+    progress: bool = setting(
+        True, "progress bar, validation lines", group="bookkeeping", flag_help="no bar or lines (see metrics.jsonl)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("out", "data", "pairs", "cache_dir"):  # paths are kept as strings (JSON in checkpoints)
