@@ -83,7 +83,11 @@ def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, ca
     with torch.no_grad():
         assert torch.equal(hf_model.eval()(input_ids=ids, attention_mask=mask).logits, expected)
 
-    assert cli(capsys, "convert", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))[0] == 0
+    code, out, _ = cli(capsys, "convert", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    assert code == 0 and out.splitlines() == [
+        f"wrote a tformer language-model run (float32) to {tmp_path / 'run'}",
+        f"to train it further: tformer train --out NEW_RUN --init-from {tmp_path / 'run'} --data YOUR_TEXT",
+    ]
     run = load_checkpoint(tmp_path / "run")
     assert run.train_config["family"] == "llama" and run.train_config["generation"]["eos"] == [EOS]
     with torch.no_grad():
@@ -94,7 +98,8 @@ def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, ca
     ]
     assert outputs[0][1] == outputs[1][1] == outputs[2][1] and outputs[0][0] == 0
 
-    assert cli(capsys, "convert", str(tmp_path / "run"), "--out", str(tmp_path / "hf16"), "--dtype", "bfloat16")[0] == 0
+    code, out, _ = cli(capsys, "convert", str(tmp_path / "run"), "--out", str(tmp_path / "hf16"), "--dtype", "bfloat16")
+    assert code == 0 and out == f"wrote a Hugging Face model directory (bfloat16) to {tmp_path / 'hf16'}\n"
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
     hf16, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf16", output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}

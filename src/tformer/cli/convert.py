@@ -47,6 +47,7 @@ def _check_out(out: str) -> Path:
 def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
     """Convert ``src`` into ``out``; returns the path written and what it now holds, in words."""
     from tformer.interop import is_pretrained, load_pretrained, save_pretrained
+    from tformer.models import DecoderLM
 
     path = _check_out(out)
     if not Path(src).exists():
@@ -57,7 +58,10 @@ def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
         stored = torch_dtype(dtype or "float32")
         return convert_gguf(Path(src), path, stored), f"a Hugging Face model directory ({dtype or 'float32'})"
     if is_pretrained(src):
-        return _to_run(load_pretrained(src, dtype=torch_dtype(dtype)), path), "a tformer run"
+        pretrained = load_pretrained(src, dtype=torch_dtype(dtype))
+        stored = str(next(pretrained.model.parameters()).dtype).removeprefix("torch.")
+        kind = "language-model" if isinstance(pretrained.model, DecoderLM) else "seq2seq"
+        return _to_run(pretrained, path), f"a tformer {kind} run ({stored})"
     ckpt = load_run(src, None, "cpu", "convert")
     if dtype is not None:
         ckpt.model.to(torch_dtype(dtype))
@@ -65,10 +69,11 @@ def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
     if not (path / "tokenizer.json").is_file():
         print(
             f"tformer convert: note: the run's {ckpt.tokenizer.kind} tokenizer has no tokenizer.json form "
-            "(only BPE tokenizers do); the directory holds the model alone",
+            "(only BPE tokenizers do); the directory holds the model alone (transformers' AutoTokenizer finds none)",
             file=sys.stderr,
         )
-    return path, "a Hugging Face model directory"
+    stored = str(next(ckpt.model.parameters()).dtype).removeprefix("torch.")
+    return path, f"a Hugging Face model directory ({stored})"
 
 
 def _to_run(pretrained, path: Path) -> Path:
@@ -105,6 +110,8 @@ def _run_convert(args: argparse.Namespace) -> int:
     def run() -> int:
         written, what = convert(args.src, args.out, args.dtype)
         print(f"wrote {what} to {written}")
+        if what.startswith("a tformer language-model run"):  # weights alone: --resume has nothing to continue
+            print(f"to train it further: tformer train --out NEW_RUN --init-from {written} --data YOUR_TEXT")
         return 0
 
     return report_errors("convert", run)
