@@ -81,6 +81,20 @@ def test_train_into_a_locked_out_exits_1(tiny_flags, tmp_path, capsys):
     assert "another tformer run is writing to" in _error_line(capsys)
 
 
+def test_resume_notes_each_setting_the_flags_change(tiny_flags, tmp_path, capsys):
+    corpus, out = tmp_path / "c.txt", str(tmp_path / "run")
+    corpus.write_text("abc\n" * 200)
+    common = ["--data", str(corpus), *tiny_flags, "--no-progress", "--warmup", "0"]
+    assert main(["train", "--out", out, "--steps", "2", *common]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", out, "--resume", "--steps", "3", "--lr", "0.002", *common]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [  # the flags given again with the saved values (--data, the model's, ...) are not noted
+        "note: --resume with --lr 0.002 (the run had 0.001)",
+        "note: --resume with --steps 3 (the run had 2)",
+    ]
+
+
 def test_resume_of_a_run_that_has_not_saved_yet_names_the_run_not_a_missing_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     with run_lock(out):  # a fresh run, writing, before its first checkpoint

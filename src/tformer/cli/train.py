@@ -38,7 +38,24 @@ def config_from_args(args: argparse.Namespace):
     base = _saved_settings(given, model) if given.get("resume") else {}
     cfg = TrainConfig.from_dict({**base, **given, "model": {**base.get("model", {}), **model}})
     reject_flags_that_do_not_apply(cfg, set(given))
+    if base and int(os.environ.get("RANK", "0")) == 0:  # a resumed run the flags change: say so (rank 0)
+        saved = TrainConfig.from_dict({**base, "out": cfg.out})
+        for name in sorted(set(given) & set(base) - {"out", "resume", "progress"}):
+            now, before = getattr(cfg, name), getattr(saved, name)
+            if now != before:
+                flag = flag_of_setting(name)
+                print(f"note: --resume with {flag} {_shown(now)} (the run had {_shown(before)})", file=sys.stderr)
     return cfg
+
+
+def _shown(value: Any) -> str:
+    return (
+        " ".join(map(str, value))
+        if isinstance(value, tuple)
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
+    )
 
 
 def _saved_settings(given: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
