@@ -4,6 +4,10 @@ tformer experiment scaling --out out/experiments     # one experiment: prints it
 tformer experiment --list                            # the experiments and the questions they answer
 tformer report --out docs/report [--quick]           # all of them, and report.md
 tformer report --only trained --checkpoint MODEL     # the claims on a trained checkpoint's weights
+tformer report --only scaling,trained --checkpoint MODEL  # with some experiments
+
+Everything is checked before any experiment runs (the names, each --checkpoint's kind, that --out can be made and
+written); bad input is one line on stderr and exit code 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import sys
 from pathlib import Path
 
 from tformer.experiments import EXPERIMENTS, load
-from tformer.experiments.report import format_console, run_and_plot, write_report
+from tformer.experiments.report import OutputFolderError, format_console, write_experiment, write_report
+
+TRAINED = "trained"  # in --only: the --checkpoint sections
 
 
 def add_cli(subparsers) -> None:
@@ -42,7 +48,10 @@ def add_cli(subparsers) -> None:
     )
     r.add_argument("--quick", action="store_true", help="tiny sizes: seconds instead of minutes")
     r.add_argument(
-        "--only", default=None, help=f"comma-separated subset of: {names}; 'trained': only the --checkpoint sections"
+        "--only",
+        default=None,
+        help=f"comma-separated subset of: {names}, {TRAINED} ('{TRAINED}': the --checkpoint sections, e.g. --only "
+        f"scaling,{TRAINED}; --only {TRAINED}: those alone; --checkpoint adds its sections to any --only)",
     )
     r.add_argument(
         "--checkpoint",
@@ -56,14 +65,29 @@ def add_cli(subparsers) -> None:
     r.set_defaults(func=_run_report)
 
 
-def _check_out_and_seed(args: argparse.Namespace) -> None:
-    """``ValueError`` for an ``--out`` that cannot be a folder or a ``--seed`` torch cannot take, before any run."""
-    blocking = next((p for p in (args.out, *args.out.parents) if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        where = "" if blocking == args.out else f" lies under {blocking}, which"
-        raise ValueError(f"--out {args.out}{where} is a file; give a folder")
+def _check_seed(args: argparse.Namespace) -> None:
+    """``ValueError`` for a ``--seed`` torch cannot take, before any run. (``--out`` is checked, and made, by
+    :class:`tformer.experiments.report.Staging` before any run too.)"""
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed must be an integer in [0, 2**63); got {args.seed}")
+
+
+def _only(args: argparse.Namespace) -> list[str] | None:
+    """The experiments ``--only`` names (``None``: all), without ``trained``, which needs a ``--checkpoint``."""
+    if args.only is None:
+        return None
+    asked = list(dict.fromkeys(n.strip() for n in args.only.split(",") if n.strip()))
+    if not asked:
+        raise ValueError(f"--only names no experiment; give some of: {', '.join(EXPERIMENTS)}, {TRAINED}")
+    for name in asked:
+        if name != TRAINED and name not in EXPERIMENTS:
+            raise ValueError(
+                f"--only: unknown experiment {name!r}; give some of: {', '.join(EXPERIMENTS)}, {TRAINED} (the "
+                "--checkpoint sections)"
+            )
+    if TRAINED in asked and not args.checkpoint:
+        raise ValueError(f"--only {TRAINED} needs at least one --checkpoint PATH")
+    return [n for n in asked if n != TRAINED]
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
@@ -76,38 +100,37 @@ def _run_experiment(args: argparse.Namespace) -> int:
         if args.name is None:
             raise ValueError(f"give an experiment NAME (one of: {', '.join(EXPERIMENTS)}) or --list")
         load(args.name)
-        _check_out_and_seed(args)
+        _check_seed(args)
     except ValueError as exc:
         print(f"tformer experiment: error: {exc}", file=sys.stderr)
         return 2
-    run = run_and_plot(args.name, args.out, "quick" if args.quick else "report", args.seed)
+    try:
+        run = write_experiment(args.name, args.out, "quick" if args.quick else "report", args.seed)
+    except OutputFolderError as exc:
+        print(f"tformer experiment: error: --out {exc}", file=sys.stderr)
+        return 2
     print(format_console(run))
     return 0
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    names = None if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     try:
-        if names == ["trained"]:
-            if not args.checkpoint:
-                raise ValueError("--only trained needs at least one --checkpoint PATH")
-            names = []
-        elif names == []:
-            raise ValueError(f"--only names no experiment; give some of: {', '.join(EXPERIMENTS)}, or trained")
-        for name in names or []:
-            load(name)
+        names = _only(args)
         for path in args.checkpoint:
             if not Path(path).exists():
                 raise ValueError(f"--checkpoint {path}: no such file or directory")
-        _check_out_and_seed(args)
+        _check_seed(args)
     except ValueError as exc:
         print(f"tformer report: error: {exc}", file=sys.stderr)
         return 2
     from tformer.training.checkpoint import CheckpointError
 
-    try:
+    try:  # checks each checkpoint's kind and --out before running anything; writes nothing if it fails later
         write_report(args.out, "quick" if args.quick else "report", names, args.seed, checkpoints=args.checkpoint)
-    except (ValueError, CheckpointError) as exc:  # a checkpoint that does not load, or has no tokenizer
+    except OutputFolderError as exc:
+        print(f"tformer report: error: --out {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, CheckpointError) as exc:  # a checkpoint that is not one, does not load, or has no tokenizer
         print(f"tformer report: error: {exc}", file=sys.stderr)
         return 2
     return 0

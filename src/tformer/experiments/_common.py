@@ -81,6 +81,39 @@ def fmt(x: float, digits: int = 3) -> str:
     return f"{x:.{max(digits - 1, 0)}e}"
 
 
+def fmt_alike(values: Sequence[float], digits: int = 3) -> list[str]:
+    """``values`` written alike, for numbers shown side by side (``2.00 / 2.13``, not ``2 / 2.13``): ``digits``
+    significant digits with their trailing zeros, and all in scientific notation when any one needs it (a
+    magnitude below 1e-3 or from 1e6, as :func:`fmt`). Zero is ``0``."""
+
+    def rounded(v: float) -> float:  # as printed: 999.7 at 3 digits is 1000
+        return abs(float(f"{v:.{digits}g}"))
+
+    plain = [math.isfinite(v) and v != 0 for v in values]  # zero, inf and nan: as fmt writes them
+    if any(p and not 1e-3 <= rounded(v) < 1e6 for v, p in zip(values, plain, strict=True)):
+        return [f"{v:.{max(digits - 1, 0)}e}" if p else fmt(v) for v, p in zip(values, plain, strict=True)]
+    out = []
+    for v, p in zip(values, plain, strict=True):
+        if not p:
+            out.append(fmt(v))
+        elif rounded(v) >= 10**digits:  # 1234, not 1.23e+03
+            out.append(f"{v:.0f}")
+        else:
+            out.append(f"{v:#.{digits}g}".rstrip("."))  # '#' keeps the trailing zeros; 123. -> 123
+    return out
+
+
+def fmt_range(values: Sequence[float], digits: int = 3) -> str:
+    """The range of ``values`` as ``A to B`` (:func:`fmt_alike`), or one number when both ends read the same."""
+    return span(*fmt_alike([min(values), max(values)], digits))
+
+
+def span(low: str, high: str) -> str:
+    """``low to high`` for two formatted ends, or ``low`` alone when they read the same ("to", not a hyphen,
+    which beside a number in exponent notation reads as a minus)."""
+    return low if low == high else f"{low} to {high}"
+
+
 def fit_power_law(x: Sequence[float], y: Sequence[float]) -> float:
     """Exponent ``p`` of ``y ~ c x^p``: the least-squares slope of ``log y`` against ``log x``.
 

@@ -24,7 +24,7 @@ attention layer's inputs captured by a forward hook and the layer's queries and 
    ``layernorm`` experiment) for the checkpoint's own objective on the paragraph: next-token cross-entropy for a
    language model, and for a sentence encoder ``1 - cos`` between the mean-pooled embeddings of the paragraph's two
    halves. Reported as each layer's norm over the layers' mean (a shape across depth: the two objectives' scales
-   differ) with the top-over-bottom ratio and the max/min spread.
+   differ) with the top-over-bottom ratio and the max/min spread (for 2 layers or more).
 
 Shapes: B, H, Hkv, T, S, C, D, V (the package legend, :mod:`tformer`).
 """
@@ -45,9 +45,12 @@ from tformer.experiments._common import (
     attention_inputs,
     entropy,
     fmt,
+    fmt_alike,
+    fmt_range,
     new_figure,
     per_head_queries_keys,
     save_figure,
+    span,
 )
 from tformer.functional import attention_scores, attention_weights, rotate_pairs, sinusoidal_positional_encoding
 from tformer.layers import MultiHeadAttention
@@ -102,6 +105,7 @@ class TrainedResult:
     sinusoid_source: str = ""
     grad_norms: list[float] = field(default_factory=list)
     objective: str = ""
+    figure: str = ""  # the PNG's name without .png (default: trained-NAME)
 
     @property
     def relative_grads(self) -> list[float]:
@@ -118,7 +122,7 @@ class TrainedResult:
                     fmt(s.var_raw),
                     fmt(s.var_scaled),
                     fmt(s.var_raw / s.var_scaled),
-                    f"{fmt(s.var_q)} / {fmt(s.var_k)}",
+                    " / ".join(fmt_alike([s.var_q, s.var_k])),
                     f"{min(ent):.2f} / {sum(ent) / len(ent):.2f} / {max(ent):.2f}",
                     f"{self.relative_grads[i]:.2f}",
                 )
@@ -142,10 +146,10 @@ class TrainedResult:
         grads = self.grad_norms
         out = [
             f"{self.name} ({self.family}, {'Pre-LN' if self.norm_first else 'Post-LN'}, d_k={self.head_dim}): "
-            f"Var(q.k) / Var(q.k/sqrt(d_k)) is {min(ratios):.4g}-{max(ratios):.4g} across layers (d_k exactly); "
-            f"the scaled variance is {min(scaled):.3g}-{max(scaled):.3g}, not 1, as the query entries' variance is "
-            f"{min(var_q):.3g}-{max(var_q):.3g}, not the premise's 1",
-            f"attention entropy per head, as a share of uniform: {min(heads):.2f} to {max(heads):.2f} "
+            f"Var(q.k) / Var(q.k/sqrt(d_k)) is {fmt_range(ratios, 4)} across layers (d_k exactly); "
+            f"the scaled variance is {fmt_range(scaled)}, not 1, as the query entries' variance is "
+            f"{fmt_range(var_q)}, not the premise's 1",
+            f"attention entropy per head, as a share of uniform: {span(f'{min(heads):.2f}', f'{max(heads):.2f}')} "
             f"(mean {sum(heads) / len(heads):.2f}); {sum(h < 0.5 for h in heads)} of {len(heads)} heads below 0.5",
         ]
         if self.rope_deviation is not None:
@@ -157,10 +161,16 @@ class TrainedResult:
             f"sinusoid shift as a rotation ({self.sinusoid_source}): max |PE[pos+k] - M_k PE[pos]| = "
             f"{self.sinusoid_error:.2e} (float64)"
         )
-        out.append(
-            f"gradient norm of W_2 across depth ({self.objective}): top/bottom {grads[-1] / grads[0]:.3g}, "
-            f"max/min {max(grads) / min(grads):.3g}"
-        )
+        if len(grads) < 2:
+            out.append(
+                f"gradient norm of W_2 across depth: not compared, as depth comparisons need at least 2 layers and "
+                f"this model has {len(grads)}"
+            )
+        else:
+            out.append(
+                f"gradient norm of W_2 across depth ({self.objective}): top/bottom {grads[-1] / grads[0]:.3g}, "
+                f"max/min {max(grads) / min(grads):.3g}"
+            )
         return out
 
     def plot(self, out_dir: Path) -> list[Path]:
@@ -185,7 +195,7 @@ class TrainedResult:
             ax.semilogx([max(d, 0.5) for d in ROPE_OFFSETS], self.rope_curve, "o-")
             ax.set(xlabel="offset n - m", ylabel="mean q.k", title="Q2(c): RoPE score vs offset")
         fig.suptitle(self.name, fontsize=9)
-        return [save_figure(fig, out_dir, f"trained-{_slug(self.name)}")]
+        return [save_figure(fig, out_dir, self.figure or f"trained-{_slug(self.name)}")]
 
 
 def _slug(name: str) -> str:
@@ -199,6 +209,45 @@ def display_name(path: str | Path) -> str:
     if p.name in ("model", "checkpoints") or p.name.startswith("step-"):
         return display_name(p.parent)
     return p.stem if p.suffix == ".gguf" else p.name
+
+
+def check(path: str | Path) -> None:
+    """A one-line ``ValueError`` (``CheckpointError`` for a tformer run) when ``path`` is not something :func:`load`
+    reads, from cheap checks of its kind, so that a report fails before it runs anything: a tformer run or
+    checkpoint's manifest and model config (every file it lists verified by size and SHA-256); a Hugging Face
+    directory's ``config.json`` (a family tformer loads), weight files and ``tokenizer.json``; a GGUF file's magic
+    bytes. What only loading finds (a damaged GGUF file, weights of the wrong shape) still fails in :func:`load`."""
+    from tformer.config import TransformerConfig
+    from tformer.interop import family_of, hf, is_pretrained
+    from tformer.training.checkpoint import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint
+    from tformer.training.tokenizers import TOKENIZER_FILE
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p}: no such file or directory")
+    if not is_pretrained(p):
+        directory = resolve_checkpoint(p)  # "not a checkpoint" for a text file, an empty folder, a run without one
+        manifest = read_manifest(directory)  # missing, truncated or corrupted files
+        try:
+            TransformerConfig.from_dict(manifest["model_config"])
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{directory / MANIFEST}: invalid model_config: {err}") from err
+    elif p.is_file():
+        with p.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{p}: not a GGUF file (it does not begin with the bytes 'GGUF'); give a .gguf model file")
+    else:
+        config = hf.read_json(p / hf.CONFIG)
+        family_of(config, str(p / hf.CONFIG)).config(config, str(p / hf.CONFIG))
+        missing = [f for f in hf.weight_files(p) if not f.is_file()]
+        if missing:
+            raise ValueError(f"{missing[0]}: no such file (listed in {hf.INDEX})")
+        if not (p / TOKENIZER_FILE).is_file():
+            raise ValueError(
+                f"{p}: no {TOKENIZER_FILE} beside the weights; the trained-weights report needs the checkpoint's "
+                "tokenizer to read its paragraph"
+            )
 
 
 def load(path: str | Path) -> tuple[nn.Module, Any, str]:
@@ -335,4 +384,4 @@ def run(checkpoint: str | Path, seq_len: int = 128, name: str | None = None) -> 
     return result
 
 
-__all__ = ["TEXT", "TrainedResult", "run", "sinusoid_rotation_error"]
+__all__ = ["TEXT", "TrainedResult", "check", "run", "sinusoid_rotation_error"]
