@@ -102,6 +102,20 @@ def test_seq2seq_task_trains_and_its_tokenizer_speaks_the_task(tmp_path):
     assert ckpt.train_config["task"] == "add" and ckpt.config.vocab_size == 14
 
 
+def test_a_bpe_vocabulary_smaller_than_asked_is_noted(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat and the dog\n" * 50)  # a handful of merges, far from 1000 tokens
+    cfg = TrainConfig(
+        out=None, data=str(corpus), tokenizer="bpe", vocab_size=1000, steps=1, batch_size=2, block_size=8,
+        model={"d_model": 16, "num_heads": 2, "num_layers": 1, "d_ff": 32}, warmup=0, progress=False,
+    )  # fmt: skip
+    size = train(cfg).model.cfg.vocab_size
+    note = f"note: the BPE vocabulary has {size} tokens, fewer than --vocab-size 1000: the data has no more pairs to "
+    note += "merge"
+    assert size < 1000 and note in capsys.readouterr().err.splitlines()
+
+
 def test_seq2seq_pairs_with_bpe(tmp_path):
     pairs = tmp_path / "pairs.tsv"
     words = ["cat", "dog", "house", "tree", "book", "water", "sun", "moon", "star", "road"]

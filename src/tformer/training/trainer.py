@@ -142,35 +142,49 @@ class Trainer:
             if world.main == turn:
                 data = prepare_data(cfg, tokenizer, scan.files if scan else [])
             world.barrier()
-        if cfg.init_from is not None:  # the model the run started from, as saved (a resumed run: its checkpoint's)
-            config = start[0].cfg if start else starting_config(cfg, ckpt.config)
-        else:
-            config = model_config(cfg, data.tokenizer, data.max_len)
-        if start is not None:
+        if start is not None:  # fine-tuning: the starting model as it is
             trainer = cls(cfg, world, device, data, start[0], 0)
         elif ckpt is not None:
+            # the model the run was built as (a fine-tuning run: its starting model's, with the run's dropout)
+            fine_tuned = cfg.init_from is not None
+            config = (
+                starting_config(cfg, ckpt.config) if fine_tuned else model_config(cfg, data.tokenizer, data.max_len)
+            )
             if ckpt.config != config:
                 raise CheckpointError(f"{ckpt.path}: saved model config {ckpt.config} differs from {config}")
             trainer = cls(cfg, world, device, data, ckpt.model, ckpt.step)
             trainer.restore(ckpt)
         else:
             torch.manual_seed(cfg.seed)
-            model = model_class(cfg.kind)(config)
+            model = model_class(cfg.kind)(model_config(cfg, data.tokenizer, data.max_len))
             if init is not None:
                 init(model)
             trainer = cls(cfg, world, device, data, model, 0)
-        if world.main and cfg.warmup > cfg.steps:
+        if world.main:
+            trainer._notes(fresh_tokenizer=tokenizer is None)
+        trainer._open_outputs(resumed=ckpt is not None)
+        return trainer
+
+    def _notes(self, fresh_tokenizer: bool) -> None:
+        """Settings that will not do what they seem to (on stderr, before training)."""
+        cfg = self.cfg
+        if cfg.warmup > cfg.steps:
             print(
                 f"note: --warmup {cfg.warmup} is longer than the run (--steps {cfg.steps}): the learning rate rises to "
                 f"{lr_at(cfg.steps - 1, cfg):.1e} of --lr {cfg.lr:g} and never decays; lower --warmup for a full "
                 "schedule",
                 file=sys.stderr,
             )
-        if world.main and trainer.amp == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bfloat16():
+        if self.amp == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bfloat16():
             note = "dtype: this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX): bfloat16 autocast is"
             print(f"{note} emulated and slower than float32 here; --dtype float32 is faster", file=sys.stderr)
-        trainer._open_outputs(resumed=ckpt is not None)
-        return trainer
+        size = self.data.tokenizer.vocab_size
+        if fresh_tokenizer and cfg.tokenizer == "bpe" and cfg.task is None and size < cfg.vocab_size:
+            print(
+                f"note: the BPE vocabulary has {size} tokens, fewer than --vocab-size {cfg.vocab_size}: the data "
+                "has no more pairs to merge",
+                file=sys.stderr,
+            )
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         net = model
