@@ -80,6 +80,7 @@ def test_a_run_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path, re
 def test_a_finetuning_run_resumes_exactly(corpus, tmp_path, source_gguf):
     straight = train(finetune(corpus, tmp_path / "straight", source_gguf, steps=3, lr=1e-3))
     train(finetune(corpus, tmp_path / "split", source_gguf, steps=3, lr=1e-3, stop_after=1))
+    source_gguf.rename(tmp_path / "moved.gguf")  # a resumed run reads its own checkpoint, not the starting model
     resumed = train(finetune(corpus, tmp_path / "split", source_gguf, steps=3, lr=1e-3, resume=True))
     assert resumed.step == straight.step == 3 and resumed.losses[3] == straight.losses[3]
     split, whole = (load_checkpoint(tmp_path / d).model.state_dict() for d in ("split", "straight"))

@@ -33,9 +33,10 @@ TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "unknown")  # the starting mode
 
 
 def check_init_from(cfg: TrainConfig) -> None:
-    """``ConfigError`` (from :meth:`TrainConfig.validate`) for an ``init_from`` that does not exist, or with
-    settings of the model's shape or of the tokenizer, which come from it."""
-    if not Path(cfg.init_from).exists():
+    """``ConfigError`` (from :meth:`TrainConfig.validate`) for an ``init_from`` that does not exist (unless the run
+    resumes: its checkpoint holds the weights), or with settings of the model's shape or of the tokenizer, which come
+    from it."""
+    if not cfg.resume and not Path(cfg.init_from).exists():
         raise ConfigError(
             f"init_from {cfg.init_from} does not exist (--init-from); give a tformer run or checkpoint, a Hugging "
             "Face folder or a GGUF file",
