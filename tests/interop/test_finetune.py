@@ -4,6 +4,9 @@ would not be that model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -129,3 +132,13 @@ def test_a_converted_run_is_not_resumed_but_fine_tuned(corpus, tmp_path, capsys,
     )
     train(finetune(corpus, tmp_path / "ft", run, steps=1))
     assert load_checkpoint(tmp_path / "ft").config == load_checkpoint(run).config
+
+
+def test_the_command_line_fine_tunes_a_gguf_file_in_a_fresh_interpreter(corpus, tmp_path, source_gguf):
+    # a new process has not imported tformer.interop (import tformer is lazy): the reader must be found anyway
+    out = tmp_path / "ft"
+    flags = ["--block-size", "16", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--no-progress"]
+    command = ["train", "--out", str(out), "--init-from", str(source_gguf), "--data", str(corpus), *flags]
+    done = subprocess.run([sys.executable, "-m", "tformer", *command], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert load_checkpoint(out).config == load_pretrained(source_gguf).model.cfg

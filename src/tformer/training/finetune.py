@@ -12,6 +12,7 @@ checkpoints are ordinary ones: ``--resume``, ``sample``, ``explore`` and ``conve
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ from tformer.training.checkpoint import CheckpointError, load_checkpoint
 from tformer.training.config import MODEL_FLAGS, TrainConfig
 from tformer.training.tokenizers import Tokenizer
 
-# Readers of the formats that tformer.interop (a layer above training) loads: Hugging Face folders and GGUF files,
-# each (accepts(path), load(path) -> (float32 model, tokenizer)), registered when tformer.interop is imported (which
-# `import tformer` does); a path none of them accepts is read as a tformer run or checkpoint.
+# Readers of the formats tformer.interop loads (Hugging Face folders, GGUF files), each (accepts(path), load(path) ->
+# (float32 model, tokenizer)). interop sits above training (it reads tformer's tokenizers and checkpoints), so it
+# plugs its reader in here when it is imported, and training imports no interop code: it loads the plugin module by
+# name (PLUGINS) on first need. A path no reader accepts is read as a tformer run or checkpoint.
 READERS: list[tuple[Callable[[Path], bool], Callable[[Path], tuple[nn.Module, Any]]]] = []
+PLUGINS = ("tformer.interop",)
 CHANGEABLE = ("dropout", "attn_backend")  # the model settings a fine-tuning run may set: they shape no weight
 TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "unknown")  # the starting model's tokenizer is the run's
 
@@ -57,6 +60,8 @@ def starting_model(cfg: TrainConfig) -> tuple[DecoderLM, Tokenizer]:
     """The model (float32, on the CPU, in train mode) and tokenizer a run with ``cfg.init_from`` starts from;
     ``ValueError`` naming the path for anything that is not a decoder-only language model with a tokenizer."""
     path = Path(cfg.init_from)
+    for plugin in PLUGINS:
+        importlib.import_module(plugin)  # registers its readers (once: a module is imported once)
     reader = next((load for accepts, load in READERS if accepts(path)), None)
     if reader is not None:
         source, tokenizer = reader(path)
