@@ -116,6 +116,12 @@ def test_the_cli_refuses_an_encoder_and_a_seq2seq_run_in_one_line(corpus, tmp_pa
     )
     assert main(["train", "--out", out, "--task", "reverse", "--init-from", str(minilm_dir)]) == 2
     assert "--init-from does not apply to --task runs" in capsys.readouterr().err
+    for flags in (["--tokenizer", "byte"], ["--vocab-size", "500", "--unknown", "skip"]):  # even at a default
+        assert main(["train", "--out", out, "--data", str(corpus), "--init-from", str(minilm_dir), *flags]) == 2
+        named = ", ".join(flags[::2])
+        assert capsys.readouterr().err == (
+            f"tformer train: error: {named}: the tokenizer comes from --init-from; leave them out\n"
+        )
     assert not (tmp_path / "bad").exists()
 
 

@@ -113,7 +113,11 @@ def reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
     """``ValueError`` naming the flags given on the command line that this kind of run would silently ignore (even
     at their default values: a flag given is a flag meant)."""
     from tformer.training.config import runs_of, settings_that_do_not_apply
+    from tformer.training.finetune import TOKENIZER_SETTINGS
 
+    tokenizer_flags = [flag_of_setting(name) for name in TOKENIZER_SETTINGS if name in given]
+    if cfg.init_from is not None and tokenizer_flags:  # given at all, even at its default: the model's is used
+        raise ValueError(f"{', '.join(tokenizer_flags)}: the tokenizer comes from --init-from; leave them out")
     reasons = settings_that_do_not_apply(cfg, given)
     if not reasons:
         return
