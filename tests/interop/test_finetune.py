@@ -50,7 +50,7 @@ def source_gguf(tmp_path):
 
 def finetune(corpus, out, start, **changes) -> TrainConfig:
     settings = dict(
-        out=str(out), data=str(corpus), init_from=str(start), steps=2, lr=LR, min_lr=0.0, warmup=0,
+        out=str(out), data=str(corpus), init_from=start, steps=2, lr=LR, min_lr=0.0, warmup=0,  # a Path init_from
         block_size=16, batch_size=4, progress=False, eval_every=0,
     )  # fmt: skip
     return TrainConfig(**{**settings, **changes})
@@ -68,7 +68,9 @@ def source_model(path):
 def test_a_run_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path, request, source):
     path = request.getfixturevalue(source)
     model, tokenizer = source_model(path)
-    train(finetune(corpus, tmp_path / "ft", path))
+    result = train(finetune(corpus, tmp_path / "ft", path))
+    # the starting model's loss on the new data first (step 0); lr 1e-6 barely moves it by step 2
+    assert set(result.val_losses) == {0, 2} and abs(result.val_losses[0] - result.val_losses[2]) < 1e-3
     run = load_checkpoint(tmp_path / "ft")
     assert run.config == model.cfg and run.step == 2
     assert run.tokenizer.encode("the cat met a dog") == tokenizer.encode("the cat met a dog")
@@ -94,8 +96,8 @@ def test_dropout_may_change_and_the_shape_and_tokenizer_may_not(corpus, tmp_path
     train(finetune(corpus, tmp_path / "ft", source_run, model={"dropout": 0.2}))
     assert load_checkpoint(tmp_path / "ft").config.dropout == 0.2
     refusals = [
-        ({"model": {"d_model": 64}}, r"^--d-model: the model's shape comes from --init-from; leave them out$"),
-        ({"tokenizer": "char"}, r"^--tokenizer: the tokenizer comes from --init-from; leave them out$"),
+        ({"model": {"d_model": 64}}, r"^--d-model: the model's shape comes from --init-from; leave it out$"),
+        ({"tokenizer": "char", "vocab_size": 9}, r"^--tokenizer, --vocab-size: the tokenizer comes from --init-from; "),
         ({"block_size": 32}, r"^block_size=32 is longer than the 16 learned positions of --init-from .*source; use "),
         ({"init_from": str(tmp_path / "none")}, r"^init_from .*none does not exist \(--init-from\); give a tformer"),
     ]
@@ -118,9 +120,9 @@ def test_the_cli_refuses_an_encoder_and_a_seq2seq_run_in_one_line(corpus, tmp_pa
     assert "--init-from does not apply to --task runs" in capsys.readouterr().err
     for flags in (["--tokenizer", "byte"], ["--vocab-size", "500", "--unknown", "skip"]):  # even at a default
         assert main(["train", "--out", out, "--data", str(corpus), "--init-from", str(minilm_dir), *flags]) == 2
-        named = ", ".join(flags[::2])
+        named, them = ", ".join(flags[::2]), "them" if len(flags) > 2 else "it"
         assert capsys.readouterr().err == (
-            f"tformer train: error: {named}: the tokenizer comes from --init-from; leave them out\n"
+            f"tformer train: error: {named}: the tokenizer comes from --init-from; leave {them} out\n"
         )
     assert not (tmp_path / "bad").exists()
 

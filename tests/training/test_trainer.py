@@ -290,7 +290,7 @@ def test_resume_mid_window_logs_what_a_straight_run_logs(tiny_run, tmp_path, cor
         (dict(lr=float("nan")), r"lr must be a finite number \(--lr\); got nan"),
         (dict(lr=1e9), r"lr must be in \(0, 1\] \(--lr; .*got 1e\+09"),
         (dict(lr=0.0), r"lr must be in \(0, 1\]"),
-        (dict(min_lr=2e-3), r"min_lr must be in \[0, lr=0.001\] \(--min-lr\); got 0.002"),
+        (dict(min_lr=2e-3), r"min_lr must be in \[0, lr=0.001\] \(--min-lr\); got 0.002 \(e.g. --min-lr 0.0001, a"),
         (dict(weight_decay=-1.0), r"weight_decay must be >= 0 \(--weight-decay; 0 = no decay\); got -1"),
         (dict(grad_clip=-1.0), r"grad_clip must be >= 0 \(--grad-clip; 0 = off\); got -1"),
         (dict(grad_clip=float("nan")), r"grad_clip must be a finite number"),

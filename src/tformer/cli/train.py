@@ -117,7 +117,8 @@ def reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
 
     tokenizer_flags = [flag_of_setting(name) for name in TOKENIZER_SETTINGS if name in given]
     if cfg.init_from is not None and tokenizer_flags:  # given at all, even at its default: the model's is used
-        raise ValueError(f"{', '.join(tokenizer_flags)}: the tokenizer comes from --init-from; leave them out")
+        them = "them" if len(tokenizer_flags) > 1 else "it"
+        raise ValueError(f"{', '.join(tokenizer_flags)}: the tokenizer comes from --init-from; leave {them} out")
     reasons = settings_that_do_not_apply(cfg, given)
     if not reasons:
         return

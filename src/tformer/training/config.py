@@ -252,7 +252,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("out", "data", "pairs", "cache_dir"):  # paths are kept as strings (JSON in checkpoints)
+        for name in ("out", "data", "pairs", "cache_dir", "init_from"):  # paths as strings (JSON in checkpoints)
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         for name in ("data", "pairs", "cache_dir", "init_from"):  # absolute: --resume works from any directory
@@ -328,7 +328,8 @@ class TrainConfig:
             )
         if self.min_lr > self.lr:
             raise ConfigError(
-                f"min_lr must be in [0, lr={self.lr:g}]{where(self._field('min_lr'))}; got {self.min_lr:g}",
+                f"min_lr must be in [0, lr={self.lr:g}]{where(self._field('min_lr'))}; got {self.min_lr:g} (e.g. "
+                f"--min-lr {self.lr / 10:g}, a tenth of --lr)",
                 "min_lr",
                 "lr",
             )

@@ -48,12 +48,16 @@ def check_init_from(cfg: TrainConfig) -> None:
     fixed = [name for name in cfg.model if name not in CHANGEABLE]
     if fixed:
         flags = ", ".join(MODEL_FLAGS[name].flag if name in MODEL_FLAGS else name for name in fixed)
-        raise ConfigError(f"{flags}: the model's shape comes from --init-from; leave them out", "model")
+        raise ConfigError(f"{flags}: the model's shape comes from --init-from; {_leave(fixed)}", "model")
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in TOKENIZER_SETTINGS}
     changed = [name for name, value in defaults.items() if getattr(cfg, name) != value]
     if changed:
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise ConfigError(f"{flags}: the tokenizer comes from --init-from; leave them out", *changed)
+        raise ConfigError(f"{flags}: the tokenizer comes from --init-from; {_leave(changed)}", *changed)
+
+
+def _leave(names: list[str]) -> str:
+    return "leave it out" if len(names) == 1 else "leave them out"
 
 
 def starting_model(cfg: TrainConfig) -> tuple[DecoderLM, Tokenizer]:
@@ -102,4 +106,4 @@ def starting_config(cfg: TrainConfig, source: TransformerConfig) -> TransformerC
     return config
 
 
-__all__ = ["CHANGEABLE", "check_init_from", "starting_config", "starting_model"]
+__all__ = ["CHANGEABLE", "TOKENIZER_SETTINGS", "check_init_from", "starting_config", "starting_model"]

@@ -322,6 +322,9 @@ class Trainer:
         self._window = (self._t0, 0)
         interrupted = False
         try:
+            if cfg.init_from is not None and self.done == 0:  # fine-tuning: the starting model's loss on this data
+                with self._paused():
+                    self.evaluate()
             with StopFlag() as stop:
                 while self.done < end and not interrupted:
                     self.step()
