@@ -56,15 +56,6 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be read: the message names the path and what is wrong."""
 
 
-class WeightsOnlyError(CheckpointError):
-    """Asked for the trainer state of a checkpoint that holds weights alone (e.g. one ``tformer convert`` wrote):
-    nothing is wrong with it, and ``directory`` is it."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(f"{directory}: holds no {STATE}; it is a weights-only checkpoint and cannot resume")
-        self.directory = directory
-
-
 @dataclass
 class Checkpoint:
     """A loaded checkpoint. ``model`` is in eval mode on ``map_location``."""
@@ -461,8 +452,6 @@ def _load_directory(
     directory: Path, map_location: str | torch.device, with_state: bool, attn_backend: str | None
 ) -> Checkpoint:
     manifest = read_manifest(directory)
-    if with_state and STATE not in manifest["files"]:  # before building the model: there is nothing to resume
-        raise WeightsOnlyError(directory)
     try:
         config = TransformerConfig.from_dict(manifest["model_config"])
     except (TypeError, ValueError) as err:
@@ -487,6 +476,8 @@ def _load_directory(
     model.to(map_location).eval()
     state = None
     if with_state:
+        if STATE not in manifest["files"]:
+            raise CheckpointError(f"{directory}: holds no {STATE}; it is a weights-only checkpoint and cannot resume")
         try:
             state = torch.load(directory / STATE, map_location="cpu", weights_only=True)
         except Exception as err:

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from tformer.training.checkpoint import (
     CHECKPOINTS_DIR,
+    STATE,
     Checkpoint,
     CheckpointError,
-    WeightsOnlyError,
     find_latest,
     last_good_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_manifest,
 )
 from tformer.training.config import STRUCTURAL, TrainConfig
 
@@ -31,6 +32,15 @@ def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> Ch
         else "no earlier checkpoint verifies; train without --resume into another --out"
     )
     return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
+
+
+def _weights_only(checkpoint: Path) -> bool:
+    """Whether ``checkpoint``'s manifest lists no trainer state (a converted model: weights alone, by design); a
+    manifest that cannot be read is for the load to report."""
+    try:
+        return STATE not in read_manifest(checkpoint)["files"]
+    except (CheckpointError, KeyError, TypeError):
+        return False
 
 
 def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
@@ -50,14 +60,13 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
         raise FileNotFoundError(
             f"--resume: no checkpoint in {Path(cfg.out) / CHECKPOINTS_DIR}; train without --resume first"
         )
+    if _weights_only(latest):
+        raise CheckpointError(
+            f"--resume: {latest} holds weights only (no optimizer state; e.g. written by tformer convert): there is "
+            f"no training run to continue; to train the model further, start a run from it (--init-from {cfg.out})"
+        )
     try:  # on this run's attention backend: all are exact, so a run may continue on another one
         ckpt = load_checkpoint(cfg.out, with_state=True, attn_backend=cfg.model.get("attn_backend", "auto"))
-    except WeightsOnlyError as err:  # by design, not damaged
-        raise CheckpointError(
-            f"--resume: {err.directory} holds weights only (no optimizer state; e.g. written by tformer convert): "
-            f"there is no training run to continue; to train the model further, start a run from it (--init-from "
-            f"{cfg.out})"
-        ) from None
     except CheckpointError as err:
         raise damaged_checkpoint_error(cfg.out, err) from None
     check_resumable(cfg, ckpt)
