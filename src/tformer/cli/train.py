@@ -49,13 +49,10 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _shown(value: Any) -> str:
-    return (
-        " ".join(map(str, value))
-        if isinstance(value, tuple)
-        else f"{value:g}"
-        if isinstance(value, float)
-        else str(value)
-    )
+    """A setting's value as its flag takes it (``--betas 0.9 0.99``, ``--lr 0.001``)."""
+    if isinstance(value, tuple):
+        return " ".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _saved_settings(given: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
@@ -113,12 +110,11 @@ def reject_flags_that_do_not_apply(cfg, given: set[str]) -> None:
     """``ValueError`` naming the flags given on the command line that this kind of run would silently ignore (even
     at their default values: a flag given is a flag meant)."""
     from tformer.training.config import runs_of, settings_that_do_not_apply
-    from tformer.training.finetune import TOKENIZER_SETTINGS
+    from tformer.training.finetune import TOKENIZER_SETTINGS, tokenizer_refusal
 
-    tokenizer_flags = [flag_of_setting(name) for name in TOKENIZER_SETTINGS if name in given]
-    if cfg.init_from is not None and tokenizer_flags:  # given at all, even at its default: the model's is used
-        them = "them" if len(tokenizer_flags) > 1 else "it"
-        raise ValueError(f"{', '.join(tokenizer_flags)}: the tokenizer comes from --init-from; leave {them} out")
+    tokenizer_settings = [name for name in TOKENIZER_SETTINGS if name in given]
+    if cfg.init_from is not None and tokenizer_settings:  # given at all, even at its default: the model's is used
+        raise ValueError(tokenizer_refusal(tokenizer_settings))
     reasons = settings_that_do_not_apply(cfg, given)
     if not reasons:
         return

@@ -19,6 +19,7 @@ from tformer.training.settings import (
     field_types,
     finite_at_least,
     finite_in,
+    flag_of,
     info,
     non_negative,
     positive,
@@ -306,7 +307,7 @@ class TrainConfig:
         paths = {"data": "a text file or a folder", "pairs": "a file of source<TAB>target lines"}
         for name, what in {**paths, "cache_dir": "a folder", "init_from": "a model"}.items():
             if getattr(self, name) == "":
-                flag = "--" + name.replace("_", "-")
+                flag = flag_of(self._field(name))
                 hint = "" if name in ("pairs", "init_from") else f" (use {flag} . for the current folder)"
                 raise ConfigError(f"{name} must be {what} ({flag}); got ''{hint}", name)
         if self.init_from is not None:

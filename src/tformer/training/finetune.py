@@ -23,6 +23,7 @@ from tformer.config import ConfigError, TransformerConfig
 from tformer.models import DecoderLM
 from tformer.training.checkpoint import CheckpointError, load_checkpoint
 from tformer.training.config import MODEL_FLAGS, TrainConfig
+from tformer.training.settings import flag_of
 from tformer.training.tokenizers import Tokenizer
 
 # Readers of the formats tformer.interop loads (Hugging Face folders, GGUF files), each (accepts(path), load(path) ->
@@ -52,8 +53,15 @@ def check_init_from(cfg: TrainConfig) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in TOKENIZER_SETTINGS}
     changed = [name for name, value in defaults.items() if getattr(cfg, name) != value]
     if changed:
-        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise ConfigError(f"{flags}: the tokenizer comes from --init-from; {_leave(changed)}", *changed)
+        raise ConfigError(tokenizer_refusal(changed), *changed)
+
+
+def tokenizer_refusal(names: list[str]) -> str:
+    """Why the tokenizer settings ``names`` are refused with ``init_from`` (here for a value changed from its
+    default; the command line also for a flag given at its default)."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    flags = ", ".join(flag_of(fields[name]) for name in names)
+    return f"{flags}: the tokenizer comes from --init-from; {_leave(names)}"
 
 
 def _leave(names: list[str]) -> str:
@@ -106,4 +114,11 @@ def starting_config(cfg: TrainConfig, source: TransformerConfig) -> TransformerC
     return config
 
 
-__all__ = ["CHANGEABLE", "TOKENIZER_SETTINGS", "check_init_from", "starting_config", "starting_model"]
+__all__ = [
+    "CHANGEABLE",
+    "TOKENIZER_SETTINGS",
+    "check_init_from",
+    "starting_config",
+    "starting_model",
+    "tokenizer_refusal",
+]
