@@ -12,6 +12,12 @@ from tformer.generation.seq2seq import beam_search, gnmt_length_penalty, greedy_
 # --------------------------------------------------------------------------------------------------
 # Greedy and beam search
 # --------------------------------------------------------------------------------------------------
+def _next_logits(model, tokens, memory, mask, bos):
+    """The decoder's logits for the token after BOS + ``tokens``, with BOS itself never a candidate."""
+    logits = model.decode(torch.tensor([[bos] + tokens]), memory, mask)[0, -1]
+    return logits.index_fill(0, torch.tensor([bos]), float("-inf"))
+
+
 def _uncached_greedy(model, src, mask, bos, eos, steps):
     """The oracle: re-run the whole decoder on BOS + the tokens so far, one source at a time."""
     outputs = []
@@ -20,7 +26,7 @@ def _uncached_greedy(model, src, mask, bos, eos, steps):
         memory = model.encode(src[i : i + 1, :n])
         out = []
         while len(out) < steps:
-            token = int(model.decode(torch.tensor([[bos] + out]), memory)[0, -1].argmax())
+            token = int(_next_logits(model, out, memory, None, bos).argmax())
             if token == eos:
                 break
             out.append(token)
@@ -30,7 +36,7 @@ def _uncached_greedy(model, src, mask, bos, eos, steps):
 
 def test_greedy_seq2seq_equals_uncached_one_by_one_greedy(random_seq2seq, random_sources):
     lengths = []
-    for seed in (1, 2):
+    for seed in (1, 8):
         model = random_seq2seq(vocab=6, seed=seed)
         src, mask = random_sources([5, 2, 7, 4], vocab=6, low=3, seed=seed)
         with torch.no_grad():
@@ -51,7 +57,7 @@ def test_beam_size_one_is_greedy(random_seq2seq, random_sources, position):
 
 def _exhaustive_best(model, src, mask, *, bos, eos, vocab, max_len, alpha):
     """Score every possible output (EOS-terminated of length <= max_len, or max_len tokens without EOS)."""
-    symbols = [t for t in range(vocab) if t != eos]
+    symbols = [t for t in range(vocab) if t not in (eos, bos)]
     best = []
     for i in range(src.shape[0]):
         memory = model.encode(src[i : i + 1], mask[i : i + 1])
@@ -62,7 +68,8 @@ def _exhaustive_best(model, src, mask, *, bos, eos, vocab, max_len, alpha):
             group = [c for c in candidates if len(c) == length]
             tgt = torch.tensor([[bos] + c[:-1] for c in group])  # teacher forcing
             logp = model.decode(tgt, memory.expand(len(group), -1, -1), mask[i : i + 1].expand(len(group), -1))
-            logp = logp.double().log_softmax(-1).gather(-1, torch.tensor(group)[..., None])[..., 0].sum(-1)
+            logp = logp.index_fill(-1, torch.tensor([bos]), float("-inf")).double().log_softmax(-1)  # BOS: never
+            logp = logp.gather(-1, torch.tensor(group)[..., None])[..., 0].sum(-1)
             lp = gnmt_length_penalty(length, alpha)
             scored += [(float(s) / lp, c) for s, c in zip(logp, group)]
         _, winner = max(scored, key=lambda item: item[0])
@@ -104,8 +111,8 @@ def _naive_beam(model, src, mask, *, beam_size, alpha, max_len, bos, eos):
         for step in range(1, max_len + 1):
             candidates = []
             for tokens, score in beams:
-                logp = model.decode(torch.tensor([[bos] + tokens]), memory, mask[i : i + 1])[0, -1].log_softmax(-1)
-                candidates += [(score + float(logp[v]), tokens, v) for v in range(logp.shape[0])]
+                logp = _next_logits(model, tokens, memory, mask[i : i + 1], bos).double().log_softmax(-1)
+                candidates += [(score + float(logp[v]), tokens, v) for v in range(logp.shape[0]) if v != bos]
             candidates.sort(key=lambda c: -c[0])
             lp = gnmt_length_penalty(step, alpha)
             complete += [(s / lp, tokens) for s, tokens, v in candidates[:beam_size] if v == eos]
@@ -202,3 +209,19 @@ def test_bad_source_ids_are_named_before_decoding(random_seq2seq, random_sources
     for decode in (greedy_seq2seq, lambda *a, **k: beam_search(*a, beam_size=2, **k)):
         with pytest.raises(ValueError, match=r"src holds token id 32, outside the vocabulary \[0, 32\)"):
             decode(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=4)
+
+
+def test_the_start_token_is_never_output_even_when_the_model_prefers_it(random_seq2seq, random_sources):
+    """An under-trained model may rank BOS first (it decodes to nothing, so outputs came out short); both searches
+    skip it and take the next best token, as the oracle with BOS's logit at -inf does."""
+    model = random_seq2seq(vocab=8, seed=3, logits_bias=True)
+    model.logits_bias[1] = 100.0  # BOS = 1: the top logit at every step
+    src, mask = random_sources([5, 3, 6], vocab=8, low=3, seed=3)
+    with torch.no_grad():
+        plain = model.decode(torch.ones(3, 1, dtype=torch.long), model.encode(src, mask), mask)[:, -1]
+        expected = _uncached_greedy(model, src, mask, bos=1, eos=2, steps=6)
+    assert (plain.argmax(-1) == 1).all()  # the unconstrained choice
+    greedy = greedy_seq2seq(model, src, mask, bos_id=1, eos_id=2, max_new_tokens=6)
+    beam = beam_search(model, src, mask, beam_size=3, bos_id=1, eos_id=2, max_new_tokens=6)
+    assert greedy == expected
+    assert all(1 not in row for row in greedy + beam) and any(greedy) and any(beam)

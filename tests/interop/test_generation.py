@@ -80,6 +80,7 @@ def hf_marian_greedy(hf, src, mask, new: int, eos: int, forced: bool) -> list[li
         pad_token_id=PAD,
         eos_token_id=eos,
         forced_eos_token_id=eos if forced else None,
+        bad_words_ids=[[PAD]],  # as Marian's own configs: the start token (pad) is never output (tformer's rule)
     )
     with torch.no_grad():
         out = hf.generate(input_ids=src, attention_mask=mask, generation_config=config)[:, 1:].tolist()

@@ -11,6 +11,10 @@ Beam search keeps the ``K`` best partial hypotheses of each source. Its score is
 ``alpha = 0`` ranks by the plain log-probability (which favours short outputs); ``alpha > 0`` favours longer
 ones (GNMT used 0.6-0.7). Decoder-only sampling lives in :mod:`tformer.generation.sampling`.
 
+Neither search outputs the start token ``bos_id``: it marks where the decoder starts, never a target (tformer's
+seq2seq data has none after it; Marian starts from its pad token, which its generation config forbids as output
+too). An under-trained model would otherwise emit it, and it decodes to nothing.
+
 Shapes: B (sources), K, S, C, V (the package legend, :mod:`tformer`).
 """
 
@@ -73,6 +77,7 @@ def greedy_seq2seq(
         logits = model.decode(token, memory, src_mask, cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
         if step == 0:  # once per call: a model with a NaN weight gives NaN here
             check_finite_logits(logits)
+        _forbid_start(logits, bos_id, eos_id)
         token = logits.argmax(-1, keepdim=True).masked_fill(done[:, None], eos_id)  # (B, 1)
         outputs[:, step] = token[:, 0]
         length = step + 1
@@ -80,6 +85,12 @@ def greedy_seq2seq(
         if bool(done.all()):
             break
     return [row[: row.index(eos_id)] if eos_id in row else row for row in outputs[:, :length].tolist()]
+
+
+def _forbid_start(logits: Tensor, bos_id: int, eos_id: int) -> None:
+    """Make the start token ``bos_id`` impossible as output (the module docstring), unless it is also the end."""
+    if bos_id != eos_id:
+        logits[:, bos_id] = float("-inf")
 
 
 def gnmt_length_penalty(length: int, alpha: float) -> float:
@@ -145,6 +156,7 @@ def beam_search(
         logits = model.decode(tokens, memory, memory_mask, cache=cache)[:, -1]  # (B*K, V)
         if step == 1:  # once per call: a model with a NaN weight gives NaN here
             check_finite_logits(logits)
+        _forbid_start(logits, bos_id, eos_id)
         candidates = scores.view(B * K, 1) + torch.log_softmax(logits.double(), dim=-1)  # (B*K, V)
         top, index = candidates.view(B, K * V).topk(min(2 * K, K * V), dim=1)  # (B, 2K), best first
         beam, token = index // V, index % V  # which beam each candidate extends, with which token
