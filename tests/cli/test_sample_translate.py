@@ -366,6 +366,19 @@ def test_cli_translate_invalid_utf8_fails_only_its_line(seq2seq_run, capsys, mon
         assert errors[2] == "tformer translate: line 5: not valid UTF-8 (byte 0xc3 at offset 2)"
 
 
+def test_cli_translate_skips_a_byte_order_mark_at_the_start_only(seq2seq_run, capsys, monkeypatch):
+    """Text saved by Windows editors starts with U+FEFF: not a character of the first line. Later on it is one (and
+    the tokenizer's error names it, with the characters it knows)."""
+    good = translate_lines(*_model_and_tokenizer(seq2seq_run), ["abc", "zyx"])
+    for stdin in (_Stdin(b"\xef\xbb\xbfabc\n\xef\xbb\xbfzyx\n", tty=False), io.StringIO("\ufeffabc\n\ufeffzyx\n")):
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert main(["translate", "--checkpoint", str(seq2seq_run)]) == 1
+        printed = capsys.readouterr()
+        assert printed.out == f"{good[0]}\n\n"
+        assert printed.err.startswith("tformer translate: line 2: character '\\ufeff' at index 0 is not in the ")
+    assert good[1]
+
+
 def test_cli_translate_at_a_terminal_answers_each_line_before_reading_the_next(seq2seq_run, monkeypatch):
     for tty, expected in ((True, [0, 1, 2]), (False, [0, 0, 0])):
         out = io.StringIO()

@@ -40,3 +40,9 @@ def test_pairs_split_is_fixed_disjoint_and_complete():
     np.testing.assert_array_equal(val, split_pairs(50, 0.2)[1])
     with pytest.raises(ValueError, match="at least 2 pairs"):
         split_pairs(1, 0.1)
+
+
+def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_source(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("\ufeffhi\tsalut\nbye\tciao\n".encode())  # as Windows editors save UTF-8
+    assert load_pairs(path) == [("hi", "salut"), ("bye", "ciao")]

@@ -84,7 +84,8 @@ def test_char_unknown_policies():
     skip = CharTokenizer.train(["ab"], unknown="skip")
     assert skip.encode("axb") == [0, 1]
     strict = CharTokenizer.train(["ab"], unknown="error")
-    with pytest.raises(ValueError, match=r"'x' at index 1 .* unknown='unk' or 'skip' \(tformer train --unknown unk"):
+    known = r"'x' at index 1 is not in the tokenizer's 2 characters \('ab'\); use only characters the model was"
+    with pytest.raises(ValueError, match=known + r" .* unknown='unk' or 'skip' \(tformer train --unknown unk"):
         strict.encode("axb")
     with pytest.raises(ValueError, match="policy 'drop'"):
         CharTokenizer(["a"], unknown="drop")

@@ -62,7 +62,9 @@ def _decode_line(line: bytes | str) -> str | ValueError:
 def _chunks(lines: Iterable[bytes | str], size: int) -> Iterator[list[str | ValueError]]:
     """Groups of ``size`` decoded lines (the last may be shorter), each read only when needed."""
     chunk: list[str | ValueError] = []
-    for line in lines:
+    for number, line in enumerate(lines):
+        if number == 0:  # a byte-order mark (text saved by Windows editors) is not part of the first line
+            line = line.removeprefix(b"\xef\xbb\xbf" if isinstance(line, bytes) else "\ufeff")
         chunk.append(_decode_line(line))
         if len(chunk) == size:
             yield chunk

@@ -39,6 +39,7 @@ def load_pairs(path: str | os.PathLike) -> list[tuple[str, str]]:
             f"pairs file {path} is not UTF-8 text (line {line}: byte 0x{data[err.start]:02x} at offset {err.start}); "
             "pass a UTF-8 file of source<TAB>target lines (--pairs)"
         ) from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark (files saved by Windows editors) is not a character
     pairs = []
     with io.StringIO(text, newline="") as f:  # lines end as in the file: \n, \r\n or \r
         for number, line in enumerate(f, start=1):

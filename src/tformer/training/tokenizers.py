@@ -181,10 +181,12 @@ class CharTokenizer(Tokenizer):
             pass
         if self.unknown == "error":
             index = next(i for i, c in enumerate(text) if c not in ids)
+            known = f" ({''.join(self.chars)!r})" if len(self.chars) <= 40 else ""
             raise ValueError(
-                f"character {text[index]!r} at index {index} is not in the tokenizer's {len(self.chars)} characters; "
-                "use characters the tokenizer was built from (a task's alphabet, or the training corpus's), or build "
-                "a corpus tokenizer with unknown='unk' or 'skip' (tformer train --unknown unk or --unknown skip)"
+                f"character {text[index]!r} at index {index} is not in the tokenizer's {len(self.chars)} "
+                f"characters{known}; use only characters the model was trained on (a task's alphabet, or the training "
+                "corpus's); a tokenizer for a corpus (--data, --pairs) can instead be built with unknown='unk' or "
+                "'skip' (tformer train --unknown unk or --unknown skip)"
             )
         if self.unknown == "skip":
             return [ids[c] for c in text if c in ids]
