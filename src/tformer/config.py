@@ -157,6 +157,10 @@ class TransformerConfig:
             )
         if not (math.isfinite(self.rope_base) and self.rope_base > 1.0):
             raise ConfigError(f"TransformerConfig.rope_base must be > 1; got {self.rope_base!r}", "rope_base")
+        if self.pad_id is not None and (not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool)):
+            raise ConfigError(
+                f"TransformerConfig.pad_id must be a token id (an integer) or None; got {self.pad_id!r}", "pad_id"
+            )
         if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
             raise ConfigError(
                 f"TransformerConfig.pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})", "pad_id"

@@ -14,6 +14,7 @@ The one mask convention of tformer (the same as ``torch.nn.functional.scaled_dot
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,8 @@ from torch import Tensor
 # --------------------------------------------------------------------------------------------------
 def causal_mask(num_queries: int, num_keys: int, device: torch.device | str | None = None) -> Tensor:
     """Boolean ``(L, S)`` mask with ``mask[i, j] = j <= i`` (top-left aligned, as PyTorch's ``is_causal``)."""
+    if num_queries < 0 or num_keys < 0:
+        raise ValueError(f"a causal mask needs sizes >= 0; got num_queries={num_queries}, num_keys={num_keys}")
     rows = torch.arange(num_queries, device=device)[:, None]
     cols = torch.arange(num_keys, device=device)[None, :]
     return cols <= rows
@@ -69,10 +72,40 @@ def check_attention_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
                 f"grouped-query attention needs the query heads ({hq}) to be a multiple of the key/value heads "
                 f"({hkv}); choose num_kv_heads dividing num_heads"
             )
-    if attn_mask is not None and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+    if query.dim() >= 3 and value.dim() >= 3 and key.shape[-3] != value.shape[-3]:
         raise ValueError(
-            f"attn_mask must be boolean (True = may attend) or floating (added to the scores); "
-            f"got dtype {attn_mask.dtype}"
+            f"key and value must have the same number of heads (dim -3); got key {key.shape[-3]}, "
+            f"value {value.shape[-3]}"
+        )
+    if query.shape[-1] == 0:
+        raise ValueError("the head dimension D of query and key must be at least 1; got D=0")
+    if attn_mask is not None:
+        check_mask(attn_mask, query, key)
+
+
+def check_mask(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
+    """``ValueError`` unless ``attn_mask`` is boolean or floating and broadcasts to the scores ``(..., L, S)``."""
+    _check_mask_dtype(attn_mask)
+    L, S = query.shape[-2], key.shape[-2]
+    *lead, rows, cols = (0, 0, *attn_mask.shape)[-max(attn_mask.dim(), 2) :]  # fewer than 2 dims: no fit
+    fits = rows in (1, L) and cols in (1, S) and attn_mask.dim() >= 2
+    try:
+        torch.broadcast_shapes(tuple(lead), tuple(query.shape[:-2]))
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the scores (..., L={L}, S={S}) of "
+            f"query {tuple(query.shape)} and key {tuple(key.shape)}; give a mask of shape (L, S), (B, 1, L, S) or "
+            f"(B, 1, 1, S) (key padding)"
+        )
+
+
+def _check_mask_dtype(attn_mask: Tensor) -> None:
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(
+            f"attn_mask must be boolean (True = may attend) or floating (added to the scores); got dtype "
+            f"{attn_mask.dtype} (an integer 0/1 mask: pass mask.bool())"
         )
 
 
@@ -118,6 +151,8 @@ def attention_scores(
     Shapes: ``query (..., L, D)``, ``key (..., S, D)`` -> ``(..., L, S)``. Default ``scale = 1/sqrt(D)``:
     with iid unit-variance entries ``Var(q.k) = D``, so dividing by ``sqrt(D)`` restores unit variance.
     """
+    if attn_mask is not None:
+        _check_mask_dtype(attn_mask)  # an integer 0/1 mask would be added to the scores, not applied
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale  # (..., L, D) @ (..., D, S) -> (..., L, S)
     mask = merge_masks(attn_mask, is_causal, query.shape[-2], key.shape[-2])
@@ -125,7 +160,7 @@ def attention_scores(
         return scores
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask
+    return scores + mask.to(scores.dtype)  # a float64 mask on float32 scores keeps the scores' dtype
 
 
 def masked_softmax(scores: Tensor) -> Tensor:
@@ -217,6 +252,8 @@ def softmax_jacobian_norm(probs: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------------
 def _frequencies(dim: int, base: float, device=None, dtype=torch.float64) -> Tensor:
     """``omega_i = base^(-2i/dim)`` for ``i = 0 .. dim/2 - 1``."""
+    if not base > 0:
+        raise ValueError(f"the frequency base must be positive (10000 in the papers); got {base}")
     return base ** (-torch.arange(0, dim, 2, device=device, dtype=dtype) / dim)
 
 
@@ -238,6 +275,7 @@ def sinusoidal_positional_encoding(
     independent of ``pos``. Computed in float64 then cast, so large positions stay accurate.
     An odd ``d_model`` gets its last (sin) column without a cos partner.
     """
+    num_positions, d_model = operator.index(num_positions), operator.index(d_model)  # TypeError for 5.5
     if num_positions < 0 or d_model <= 0:
         raise ValueError(
             f"need num_positions >= 0 and d_model > 0; got num_positions={num_positions}, d_model={d_model}"
@@ -277,11 +315,14 @@ def apply_rotary(
     ``positions``: an int offset (positions ``offset .. offset+T-1``) or a tensor broadcastable to
     ``x.shape[:-1]`` holding each token's position.
     """
+    if x.dim() < 2 or not x.is_floating_point():
+        raise ValueError(f"rotary embedding turns a floating (..., T, D) tensor; got {x.dtype} {tuple(x.shape)}")
     dim = x.shape[-1]
     if dim % 2:
         raise ValueError(f"rotary embedding needs an even head dimension; got {dim}")
-    if isinstance(positions, int):
-        positions = torch.arange(positions, positions + x.shape[-2], device=x.device)
+    if not isinstance(positions, Tensor):
+        offset = operator.index(positions)  # an int offset (a numpy integer too); TypeError for a float
+        positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
     cos, sin = rotary_cos_sin(positions, dim, base, dtype=x.dtype)  # (..., T, D/2)
     return rotate_pairs(x, cos, sin, interleaved)
 

@@ -137,11 +137,13 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool | None = None,
     ) -> None:
         super().__init__()
+        if d_model < 1 or num_heads < 1:
+            raise ValueError(f"d_model and num_heads must be at least 1; got d_model={d_model}, num_heads={num_heads}")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={num_heads}")
         self.head_dim = d_model // num_heads
         attention.resolve(backend)  # an unknown name fails here, not at the first forward
@@ -173,6 +175,8 @@ class MultiHeadAttention(nn.Module):
         (``(T,)`` or ``(B, T)``; default: ``past .. past + T - 1``); ``cache`` holds past keys/values for
         incremental decoding.
         """
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be (batch, time, d_model={self.d_model}); got {tuple(x.shape)}")
         B, T, C = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if context is None:  # self-attention: one matmul gives the H query heads, then Hkv key and Hkv value heads

@@ -45,9 +45,10 @@ def check_inputs(
 
 def _check_ids_shape(ids: Tensor, name: str) -> None:
     """Shape and dtype only: metadata, known without reading the tensor."""
-    if ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(
-            f"{name} must be a (batch, time) tensor of integer token ids; got {ids.dtype} {tuple(ids.shape)}"
+            f"{name} must be a (batch, time) tensor of integer token ids (int64 or int32: {name}.long()); got "
+            f"{ids.dtype} {tuple(ids.shape)}"
         )
 
 
@@ -56,6 +57,20 @@ def _check_mask(mask: Tensor | None, ids: Tensor, name: str) -> None:
         raise ValueError(
             f"{name} must be a boolean (batch, time) tensor shaped like the ids {tuple(ids.shape)} "
             f"(True = real token, False = padding); got {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+def _check_memory(memory: Tensor, memory_mask: Tensor | None, tgt_ids: Tensor) -> None:
+    """The encoder output ``memory (B, S, C)`` and its key mask ``(B, S)`` fit the target ``tgt_ids (B, T)``."""
+    if memory.dim() != 3 or (tgt_ids.dim() == 2 and memory.shape[0] != tgt_ids.shape[0]):
+        raise ValueError(
+            f"memory must be the encoder output (batch, source length, d_model) of the batch of tgt_ids "
+            f"{tuple(tgt_ids.shape)}; got {tuple(memory.shape)}: give as many sources as targets"
+        )
+    if memory_mask is not None and memory_mask.shape != memory.shape[:2]:
+        raise ValueError(
+            f"src_mask must be (batch, source length) = {tuple(memory.shape[:2])} like the source ids; got "
+            f"{tuple(memory_mask.shape)}"
         )
 
 
@@ -138,26 +153,44 @@ class Embedder(nn.Module):
         if self.positions is not None:
             self.positions.reserve(length)
 
-    def forward(self, ids: Tensor, positions: Tensor, token_types: Tensor | None = None) -> Tensor:
+    def forward(
+        self, ids: Tensor, positions: Tensor, token_types: Tensor | None = None, *, name: str = "ids"
+    ) -> Tensor:
         """``ids (B, T)``, ``positions (T,)`` or ``(B, T)`` (inside the table: :meth:`reserve`) -> ``(B, T, C)``.
 
-        ``token_types (B, T)``: each token's segment (default: all 0), where the model has token types."""
+        ``token_types (B, T)``: each token's segment (default: all 0), where the model has token types. ``name``:
+        what errors call the ids (``src_ids``, ``tgt_ids``)."""
         try:
             x = self.tokens(ids)  # (B, T) -> (B, T, C)
         except IndexError:  # an id outside the vocabulary: the CPU kernel raises (CUDA fails a device-side assert)
-            check_inputs(self.cfg, ids)  # the error naming the id (reads the ids back, on this error path only)
+            check_inputs(self.cfg, ids, name=name)  # the error naming the id (reads the ids back, on this path only)
             raise
         if self.scale != 1.0:
             x = x * self.scale
         if self.positions is not None:
             x = x + self.positions(positions)  # (T, C) or (B, T, C)
         if self.token_types is not None:
-            x = x + (self.token_types.weight[0] if token_types is None else self.token_types(token_types))
+            x = x + (self.token_types.weight[0] if token_types is None else self._types(token_types, ids))
         elif token_types is not None:
             raise ValueError("token_types given, but this model has no token-type embeddings (type_vocab_size=0)")
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x) if self.training else x
+
+    def _types(self, token_types: Tensor, ids: Tensor) -> Tensor:
+        """The token-type embeddings ``(B, T, C)``; ``ValueError`` for types not shaped like the ids or not known."""
+        if token_types.shape != ids.shape or token_types.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"token_types must be an integer tensor shaped like the ids {tuple(ids.shape)}; got "
+                f"{token_types.dtype} {tuple(token_types.shape)}"
+            )
+        try:
+            return self.token_types(token_types)
+        except IndexError:
+            raise ValueError(
+                f"token_types holds a type outside [0, {self.cfg.type_vocab_size}) (type_vocab_size); BERT-style "
+                "models have types 0 (first segment) and 1 (second)"
+            ) from None
 
 
 class _EmbeddedStack(nn.Module):
@@ -175,6 +208,7 @@ class _EmbeddedStack(nn.Module):
     ):
         super().__init__()
         self.cfg, self.causal = cfg, causal
+        self.ids_name = "tgt_ids" if cross_attention else "ids"  # what errors call the input; the encoder's: src_ids
         self.embed = Embedder(cfg, scale=scale_embeddings, tokens=tokens)
         self.rotary = (
             RotaryEmbedding(cfg.head_dim, cfg.rope_base, cfg.interleaved, max_len=cfg.max_seq_len)
@@ -194,11 +228,21 @@ class _EmbeddedStack(nn.Module):
     ) -> Tensor:
         """Embed ``ids (B, T)`` (after ``past`` cached tokens) and run the blocks. Everything here is decided from
         shapes and Python ints: no value is read back from the device."""
-        _check_ids_shape(ids, "ids")
+        _check_ids_shape(ids, self.ids_name)
         if caches and caches[0].self_kv.static:
             return self._run_static(ids, mask, caches, positions, **kwargs)
+        if positions is not None:
+            raise ValueError(
+                "positions are given only with a static cache (new_cache(capacity)); otherwise they are counted "
+                "from the mask and the cache (left padding does not shift them): leave positions out"
+            )
         B, T = ids.shape
         past = caches[0].self_kv.length if caches else 0
+        if past and caches[0].self_kv.k.shape[0] != B:
+            raise ValueError(
+                f"the cache holds {caches[0].self_kv.k.shape[0]} rows; {self.ids_name} has {B}: give each row's "
+                "new tokens, or start a new cache (new_cache()) for another batch"
+            )
         if mask is not None and mask.shape != (B, past + T):
             raise ValueError(f"mask must be (batch, cached + new tokens) = {(B, past + T)}; got {tuple(mask.shape)}")
         self.embed.reserve(past + T)  # positions are < past + T, with or without padding
@@ -208,7 +252,7 @@ class _EmbeddedStack(nn.Module):
             self.rotary.reserve(past + T)
             rope = self.rotary(positions)  # the angles of this batch, once for every block
         self_mask, is_causal = self_attention_mask(mask, T, past, self.causal)
-        x = self.embed(ids, positions, token_types)  # (B, T, C)
+        x = self.embed(ids, positions, token_types, name=self.ids_name)  # (B, T, C)
         return self.stack(
             x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, rope=rope, **kwargs
         )
@@ -271,6 +315,7 @@ class Encoder(_EmbeddedStack):
             cfg, cfg.num_layers, causal=False, cross_attention=False, scale_embeddings=scale_embeddings, tokens=tokens
         )
         self.pooler = Pooler(cfg.d_model) if cfg.pooler else None
+        self.ids_name = "src_ids"
 
     def forward(self, src_ids: Tensor, src_mask: Tensor | None = None, token_type_ids: Tensor | None = None) -> Tensor:
         """``src_ids (B, S)`` -> memory (hidden states) ``(B, S, C)``; ``token_type_ids (B, S)`` where the model has
@@ -322,6 +367,8 @@ class Decoder(_EmbeddedStack):
         """
         if tgt_mask is not None and cache is None:
             _check_mask(tgt_mask, tgt_ids, "tgt_mask")
+        if memory is not None:
+            _check_memory(memory, memory_mask, tgt_ids)
         cross_mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S)
         return self._run(tgt_ids, tgt_mask, cache, memory=memory, memory_mask=cross_mask, positions=positions)
 

@@ -79,6 +79,8 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_len: int, d_model: int) -> None:
         super().__init__()
+        if max_len < 1 or d_model < 1:
+            raise ValueError(f"learned positions need max_len >= 1 and d_model >= 1; got {max_len} and {d_model}")
         self.table = nn.Embedding(max_len, d_model)
 
     def reserve(self, length: int) -> None:
@@ -102,8 +104,8 @@ class RotaryEmbedding(_FixedTables):
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, max_len: int = 256) -> None:
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head dimension; got {head_dim}")
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head dimension of at least 2; got {head_dim}")
         self.head_dim, self.base, self.interleaved = head_dim, base, interleaved
         super().__init__(max_len)
 

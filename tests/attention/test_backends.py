@@ -1,6 +1,7 @@
 """The attention backends of :mod:`tformer.attention` against PyTorch and NumPy oracles, the CPU half-precision
 rule of the SDPA backend, and the registry itself (one table, the config's choices, clear errors)."""
 
+import re
 from typing import get_args
 
 import numpy as np
@@ -185,6 +186,46 @@ def test_bad_inputs_raise_clear_errors():
         scaled_dot_product_attention(q, q.float(), q)
     with pytest.raises(ValueError, match="attn_mask"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="same number of heads"):
+        scaled_dot_product_attention(_rand(1, 2, 4, 8), _rand(1, 1, 4, 8), _rand(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="D=0"):
+        scaled_dot_product_attention(q[..., :0], q[..., :0], q)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("shape", [(4, 3), (3, 4), (4,), (), (3, 1, 4, 4), (2, 3, 4, 4)])
+def test_a_mask_that_does_not_fit_the_scores_is_named_with_the_shapes(backend, shape):
+    q = _rand(2, 2, 4, 8)  # scores (2, 2, 4, 4): a (4, 3) mask would broadcast nowhere, a (3, 1, 4, 4) one neither
+    with pytest.raises(ValueError, match=rf"attn_mask of shape {re.escape(str(shape))} does not broadcast .*L=4, S=4"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(shape, dtype=torch.bool), backend=backend)
+
+
+def test_the_oracle_refuses_an_integer_mask_instead_of_adding_it():
+    """``reference_attention`` and ``attention_scores`` are called directly (the oracle): a 0/1 integer mask added
+    to the scores would shift them by one, not forbid a key."""
+    q = _rand(1, 4, 8)
+    ones = torch.tril(torch.ones(4, 4, dtype=torch.long))
+    for fn in (tf.reference_attention, lambda q, k, v, attn_mask: tf.attention_scores(q, k, attn_mask)):
+        with pytest.raises(ValueError, match=r"got dtype torch.int64 \(an integer 0/1 mask: pass mask.bool\(\)\)"):
+            fn(q, q, q, attn_mask=ones)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+def test_backends_agree_at_the_edges(backend):
+    """A float mask of another dtype is cast to the scores' (float64 mask on float32, float32 on bfloat16), and an
+    empty query or key length gives the empty result or rows of zeros (no key to attend), on every backend."""
+    q = _rand(2, 2, 5, 8, dtype=torch.float32)
+    bias = _rand(5, 5)  # float64
+    expected = tf.reference_attention(q.double(), q.double(), q.double(), attn_mask=bias)
+    out = scaled_dot_product_attention(q, q, q, attn_mask=bias, backend=backend)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)  # float32 rounding of O(1) values
+    half = q.bfloat16()
+    low = scaled_dot_product_attention(half, half, half, attn_mask=bias.float(), backend=backend)
+    assert low.dtype == torch.bfloat16 and (low.double() - expected).abs().max() < 0.05  # bfloat16: 8 bits
+    assert scaled_dot_product_attention(q[..., :0, :], q, q, backend=backend).shape == (2, 2, 0, 8)
+    no_keys = scaled_dot_product_attention(q, q[..., :0, :], q[..., :0, :], backend=backend)
+    assert no_keys.shape == (2, 2, 5, 8) and not no_keys.any()
 
 
 def test_the_config_offers_exactly_the_registered_backends():

@@ -119,3 +119,22 @@ def test_rope_layouts_are_permutations_of_each_other():
     torch.testing.assert_close(half[:, perm], inter)
     with pytest.raises(ValueError, match="even"):
         tf.apply_rotary(_rand(2, 5), 0)
+
+
+def test_position_helpers_refuse_sizes_and_types_that_would_give_garbage():
+    """A base <= 0 gave NaN columns, an integer tensor rotated to zeros, a numpy offset an AttributeError."""
+    with pytest.raises(ValueError, match="base must be positive"):
+        tf.sinusoidal_positional_encoding(3, 4, base=0)
+    with pytest.raises(ValueError, match="base must be positive"):
+        tf.apply_rotary(_rand(1, 2, 4), 0, base=-1.0)
+    with pytest.raises(ValueError, match=r"floating \(\.\.\., T, D\) tensor; got torch.int64"):
+        tf.apply_rotary(torch.ones(1, 2, 4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match=r"got torch.float64 \(8,\)"):
+        tf.apply_rotary(_rand(8), 0)
+    with pytest.raises(TypeError, match="float"):
+        tf.sinusoidal_positional_encoding(5.5, 16)
+    with pytest.raises(ValueError, match="num_queries=-1"):
+        tf.causal_mask(-1, 3)
+    x = _rand(1, 3, 4)
+    offset = torch.tensor(2).numpy()[()]  # a numpy integer, as an index from numpy code gives
+    torch.testing.assert_close(tf.apply_rotary(x, offset), tf.apply_rotary(x, torch.arange(2, 5)), rtol=0, atol=0)

@@ -1,5 +1,7 @@
 """Layers against PyTorch's own modules, and the parameter count of multi-head attention."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -174,3 +176,23 @@ def test_gelu_tanh_is_gpt2_activation_and_close_to_exact_gelu():
     assert 0 < difference < bound
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         FeedForward(16, 64, activation="swish")
+
+
+def test_layers_refuse_sizes_and_inputs_that_do_not_fit():
+    from tformer.positions import LearnedPositions, RotaryEmbedding
+
+    for args, kwargs, message in [
+        ((30, 0), {}, "num_heads must be at least 1"),
+        ((0, 1), {}, "d_model and num_heads must be at least 1"),
+        ((32, 4), dict(num_kv_heads=0), "num_kv_heads=0 must divide"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            MultiHeadAttention(*args, **kwargs)
+    with pytest.raises(ValueError, match="even head dimension of at least 2; got 0"):
+        RotaryEmbedding(0)
+    with pytest.raises(ValueError, match="max_len >= 1"):
+        LearnedPositions(0, 8)
+    mha = MultiHeadAttention(32, 4)
+    for shape in [(5, 32), (1, 5, 16)]:
+        with pytest.raises(ValueError, match=rf"x must be \(batch, time, d_model=32\); got {re.escape(str(shape))}"):
+            mha(torch.randn(shape))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tformer import DecoderLM, EncoderDecoder, TransformerConfig, num_parameters
+from tformer import DecoderLM, Encoder, EncoderDecoder, TransformerConfig, num_parameters
 
 POSITIONS = ["sinusoidal", "rotary", "learned", "none"]
 
@@ -106,6 +106,9 @@ def test_tied_embeddings_share_one_matrix():
         (dict(attn_backend="fast"), "attn_backend"),
         (dict(dropout=1.5), "dropout"),
         (dict(num_kv_heads=3), "num_kv_heads"),
+        (dict(pad_id=1.5), "pad_id"),
+        (dict(pad_id=True), "pad_id"),
+        (dict(pad_id="0"), "pad_id"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(changes, field):
@@ -134,3 +137,39 @@ def test_bad_token_ids_and_lengths_raise(random_ids):
         model(random_ids(1, 3), torch.ones(1, 4, dtype=torch.bool))
     rotary = DecoderLM(TransformerConfig.tiny(position="rotary", max_seq_len=8))
     assert rotary(random_ids(1, 20)).shape == (1, 20, 32)  # rotary and sinusoidal extrapolate past max_seq_len
+
+
+def test_wrong_inputs_are_named_with_what_fits(random_ids):
+    """Metadata checks (no value read back) where torch's own error would name neither the argument nor the fix;
+    an encoder-decoder's errors say whether the source or the target is wrong."""
+    lm = DecoderLM(TransformerConfig.tiny(position="learned")).eval()
+    ids = random_ids(2, 8)
+    with pytest.raises(ValueError, match=r"positions are given only with a static cache"):
+        lm(ids, positions=torch.arange(3, 11))  # was silently ignored
+    with pytest.raises(ValueError, match=r"int64 or int32: ids.long\(\)\); got torch.uint8"):
+        lm(ids.to(torch.uint8))
+    cache = lm.new_cache()
+    lm(ids, cache=cache)
+    with pytest.raises(ValueError, match="the cache holds 2 rows; ids has 1"):
+        lm(ids[:1, :1], cache=cache)
+    ed = EncoderDecoder(TransformerConfig.tiny())
+    src, tgt = random_ids(2, 10), random_ids(3, 7)
+    with pytest.raises(ValueError, match=r"batch of tgt_ids \(3, 7\); got \(2, 10, 32\)"):
+        ed(src, tgt)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"src_mask must be \(batch, source length\) = \(2, 10\)"):
+        ed.decode(tgt[:2], ed.encode(src, mask), mask[:, :5])
+    with pytest.raises(ValueError, match="src_ids holds token id 99"):
+        ed(torch.full((2, 3), 99), tgt[:2])
+    with pytest.raises(ValueError, match="tgt_ids holds token id 99"):
+        ed(src, torch.full((2, 3), 99))
+
+
+def test_token_types_outside_the_table_or_of_another_shape_are_refused(random_ids):
+    encoder = Encoder(TransformerConfig.tiny(type_vocab_size=2))
+    ids = random_ids(2, 5)
+    assert encoder(ids, None, torch.ones(2, 5, dtype=torch.long)).shape == (2, 5, 32)
+    with pytest.raises(ValueError, match=r"token_types holds a type outside \[0, 2\)"):
+        encoder(ids, None, torch.full((2, 5), 2))
+    with pytest.raises(ValueError, match=r"shaped like the ids \(2, 5\); got torch.int64 \(2, 4\)"):
+        encoder(ids, None, torch.ones(2, 4, dtype=torch.long))

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from tformer.functional import reference_attention
+
 LOG2E = math.log2(math.e)
 DEFAULT_BLOCK = (256, 256)  # (query positions, keys) per tile; fastest measured on CPU, see BENCHMARKS.md
 
@@ -308,6 +310,8 @@ def tiled_attention(
     Statistics and accumulators are float32 (float64 for float64 inputs); the result has the input dtype.
     Memory beyond inputs and outputs: O((L + S) * D + block_q * block_k) per problem, never O(L * S).
     """
+    if query.shape[-2] == 0 or key.shape[-2] == 0:  # no tile: an empty result, or zeros for rows with no key
+        return reference_attention(query, key, value, attn_mask, is_causal, scale)
     layout = _Layout(query, key, value, attn_mask)
     scale = 1.0 / math.sqrt(layout.D) if scale is None else float(scale)
     bq, bk = _blocks(block_size)
