@@ -76,3 +76,9 @@ def test_of_several_named_templates_the_default_one_is_used():
 def test_bad_input_is_a_chat_template_error_naming_it(template, messages, message):
     with pytest.raises(ChatTemplateError, match=message):
         chat_prompt(tokenizer(template), messages)
+
+
+@pytest.mark.parametrize("wrong", [None, "x", {"chat_template": "{{ 1 }}"}])
+def test_something_that_is_not_a_tokenizer_is_a_type_error_not_a_missing_template(wrong):
+    with pytest.raises(TypeError, match=r"chat_prompt needs the model's tokenizer \(Pretrained.tokenizer\); got "):
+        chat_prompt(wrong, USER)

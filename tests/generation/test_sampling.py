@@ -308,6 +308,12 @@ def test_stop_strings_cut_the_text_before_the_stop(random_lm):
         (dict(prompt_ids=[[1.0, 2.5]]), r"prompt 0 holds 1.0, which is not a token id: ids are integers"),
         (dict(prompt_ids=[[1], [2, True]]), r"prompt 1 holds True, which is not a token id"),
         (dict(prompt_ids=[[1, torch.tensor(2.0)]]), r"prompt 0 holds tensor\(2.\), which is not a token id"),
+        (dict(eos_id="12"), r"eos_id must be a token id or a list of them; got '12'"),  # int() of each: ids 1, 2
+        (dict(eos_id=[3.7]), r"eos_id holds 3.7, which is not a token id"),  # int() truncated it to 3
+        (dict(eos_id=5.0), r"eos_id must be a token id or a list of them; got 5.0"),
+        (dict(stop=[3]), r"stop holds 3; each stop is a string or a list of token ids \(one id: stop=\[\[3\]\]\)"),
+        (dict(stop=[[1, VOCAB]]), rf"a stop sequence's id {VOCAB} is outside the vocabulary"),  # could never match
+        (dict(stop=["a"], tokenizer="x"), "needs a tokenizer"),
     ],
 )
 def test_bad_input_raises_clear_value_errors(random_lm, kwargs, message):
@@ -324,6 +330,26 @@ def test_token_ids_may_be_any_integers_and_greedy_ignores_the_sampling_settings(
     first = generate(model, [[1, 2]], max_new_tokens=4, greedy=True)
     assert generate(model, [[np.int64(1), torch.tensor(2)]], max_new_tokens=4, greedy=True) == first
     assert generate(model, [[1, 2]], max_new_tokens=4, greedy=True, temperature=0.0, top_k=0, top_p=7.0) == first
+    np_eos = generate(model, [[1, 2]], max_new_tokens=4, greedy=True, eos_id=np.int64(first[0][1]))
+    assert np_eos == generate(model, [[1, 2]], max_new_tokens=4, greedy=True, eos_id=torch.tensor(first[0][1]))
+    assert np_eos == [first[0][:1]]
+    sampled = generate(model, [[1, 2]], max_new_tokens=np.int64(4), top_k=np.int64(3), seed=5)
+    assert sampled == generate(model, [[1, 2]], max_new_tokens=4, top_k=3, seed=5)
+    for name, value in (("temperature", "hot"), ("top_p", "0.9")):
+        with pytest.raises(TypeError, match=rf"{name} \(--{name.replace('_', '-')}\) must be a number; got '"):
+            generate(model, [[1, 2]], max_new_tokens=4, **{name: value})
+
+
+def test_a_lone_stop_string_is_one_stop_not_one_per_character(random_lm):
+    """``stop="ab"`` iterated as ``["a", "b"]`` ended rows at either character."""
+    from tformer.training.tokenizers import CharTokenizer
+
+    model = random_lm()
+    tokenizer = CharTokenizer([chr(ord("a") + i) for i in range(VOCAB)], unknown="error")
+    free = tokenizer.decode(generate(model, [[1, 2]], max_new_tokens=30, seed=1)[0])
+    stop = next(free[i : i + 2] for i in range(1, 29) if free[i] in free[:i])  # its first character came before
+    one = tokenizer.decode(generate(model, [[1, 2]], max_new_tokens=30, seed=1, stop=stop, tokenizer=tokenizer)[0])
+    assert one == free[: free.index(stop)] and len(one) > free.index(stop[0])  # per character it ended sooner
 
 
 @pytest.mark.parametrize("position", ["rotary", "learned"])

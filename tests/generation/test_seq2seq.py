@@ -225,3 +225,18 @@ def test_the_start_token_is_never_output_even_when_the_model_prefers_it(random_s
     beam = beam_search(model, src, mask, beam_size=3, bos_id=1, eos_id=2, max_new_tokens=6)
     assert greedy == expected
     assert all(1 not in row for row in greedy + beam) and any(greedy) and any(beam)
+
+
+def test_a_list_or_an_empty_source_is_refused_before_decoding(random_seq2seq, random_sources):
+    """A list gave "'list' object has no attribute 'dim'"; an empty source, or a row masked out entirely, was decoded
+    from nothing into tokens."""
+    model = random_seq2seq()
+    src, mask = random_sources([3, 2], vocab=32)
+    empty_row = mask.clone()
+    empty_row[1] = False
+    for decode in (greedy_seq2seq, lambda *a, **k: beam_search(*a, beam_size=2, **k)):
+        with pytest.raises(TypeError, match=r"src must be a \(batch, time\) tensor of token ids; got a list"):
+            decode(model, src.tolist(), None, bos_id=1, eos_id=2, max_new_tokens=4)
+        for source, source_mask in ((src[:, :0], None), (src, empty_row)):
+            with pytest.raises(ValueError, match="every source needs at least one token"):
+                decode(model, source, source_mask, bos_id=1, eos_id=2, max_new_tokens=4)

@@ -55,6 +55,8 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_ge
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+        raise TypeError(f"chat_prompt needs the model's tokenizer (Pretrained.tokenizer); got {tokenizer!r}")
     template = chat_template(tokenizer)
     if template is None:
         raise ChatTemplateError(

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tformer.generation.stopping import Stopper, TextDecoder, eos_ids
+from tformer.generation.stopping import Stopper, TextDecoder, token_id
 from tformer.models import DecoderLM, pad_left
 
 NEG_INF = float("-inf")
@@ -51,7 +51,7 @@ NEG_INF = float("-inf")
 # --------------------------------------------------------------------------------------------------
 def check_max_new_tokens(max_new_tokens: int) -> None:
     """Raise ``ValueError`` unless ``max_new_tokens`` is an integer >= 0."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens (--max-new-tokens) must be an integer >= 0; got {max_new_tokens!r}")
 
 
@@ -60,6 +60,10 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     ``tformer sample`` flag, as both reach users. Greedy decoding ignores all three, so nothing is checked then."""
     if greedy:
         return
+    given = {"temperature": temperature} | ({} if top_p is None else {"top_p": top_p})
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} (--{name.replace('_', '-')}) must be a number; got {value!r}")
     if not temperature > 0:
         raise ValueError(
             f"temperature (--temperature) must be > 0 when sampling; for T -> 0 use greedy decoding "
@@ -70,7 +74,7 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
             f"temperature (--temperature) must be a finite number > 0 (T = inf samples uniformly, "
             f"ignoring the model); got {temperature}"
         )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k (--top-k) must be an integer >= 1 (or None / left out: no limit); got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p (--top-p) must be in (0, 1] (or None / left out: no limit); got {top_p!r}")
@@ -308,7 +312,7 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
         )
     if any(isinstance(p, str) for p in prompt_ids):
         raise TypeError("prompt_ids must be lists of token ids, not texts: pass [tokenizer.encode(t) for t in texts]")
-    prompts = [[_token_id(t, i) for t in p] for i, p in enumerate(prompt_ids)]
+    prompts = [[token_id(t, f"prompt {i}") for t in p] for i, p in enumerate(prompt_ids)]
     if not prompts:
         raise ValueError("prompt_ids is empty: give at least one prompt")
     for i, p in enumerate(prompts):
@@ -318,17 +322,6 @@ def _prompt_lists(prompt_ids: Sequence[Sequence[int]] | Tensor, vocab_size: int)
         if bad:
             raise ValueError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
     return prompts
-
-
-def _token_id(t: object, row: int) -> int:
-    """``t`` as a token id: an integer (Python's, NumPy's, or a one-value integer tensor), never a float or a bool,
-    which ``int()`` would truncate to some other id without a word."""
-    if isinstance(t, Tensor):
-        if t.numel() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-            return int(t)
-    elif isinstance(t, numbers.Integral) and not isinstance(t, bool):
-        return int(t)
-    raise ValueError(f"prompt {row} holds {t!r}, which is not a token id: ids are integers (not floats or bools)")
 
 
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; the signed range is the one every device accepts
@@ -371,7 +364,7 @@ def generate(
     top_p: float | None = None,
     greedy: bool = False,
     seed: int | Sequence[int] | None = None,
-    stop: Sequence[str | Sequence[int]] | None = None,
+    stop: str | Sequence[str | Sequence[int]] | None = None,
     eos_id: int | Sequence[int] | None = None,
     tokenizer: TextDecoder | None = None,
     use_cache: bool = True,
@@ -397,6 +390,7 @@ def generate(
             Greedy decoding is deterministic and batch-independent in the same sense.
         stop, eos_id, tokenizer: end a row at ``eos_id`` (an id or a list of ids), at a stop sequence of ids, or
             at a stop string (needs ``tokenizer``); the stop itself is dropped from the output (see :class:`Stopper`).
+            ``stop`` is a list of strings and id lists (``["\\n\\n", [13, 13]]``), or one string.
         use_cache: ``False`` recomputes the whole sequence each step (reference and benchmarks).
         static_cache: decode over a cache of ``prompt + max_new_tokens`` positions allocated once
             (:mod:`tformer.generation.static`): the same tokens, every step the same shapes. With learned positions
@@ -420,11 +414,9 @@ def generate(
     cfg = model.cfg
     check_max_new_tokens(max_new_tokens)
     check_sampling_args(temperature, top_k, top_p, greedy)
+    max_new_tokens, top_k = int(max_new_tokens), None if top_k is None else int(top_k)  # NumPy's integers too
     prompts = _prompt_lists(prompt_ids, cfg.vocab_size)
-    for e in sorted(eos_ids(eos_id)):
-        if not 0 <= e < cfg.vocab_size:
-            raise ValueError(f"eos_id={e} is outside the vocabulary [0, {cfg.vocab_size})")
-    stopper = Stopper(stop, eos_id, tokenizer)
+    stopper = Stopper(stop, eos_id, tokenizer, cfg.vocab_size)
     B = len(prompts)
     seeds = row_seeds(seed, B)
     outputs: list[list[int]] = [[] for _ in range(B)]

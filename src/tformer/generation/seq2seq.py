@@ -38,7 +38,14 @@ def _check_decode_args(
             "(a DecoderLM continues prompts with generate)"
         )
     cfg = model.cfg
+    if not isinstance(src, Tensor):
+        raise TypeError(
+            f"src must be a (batch, time) tensor of token ids; got a {type(src).__name__} (tformer.models.pad_right "
+            "makes ids and src_mask of a list of sources)"
+        )
     check_inputs(cfg, src, src_mask, name="src", mask_name="src_mask")  # once: the decode loop reads nothing back
+    if src.shape[1] == 0 or (src_mask is not None and not bool(src_mask.any(dim=1).all())):
+        raise ValueError("every source needs at least one token (src_mask True somewhere in each row); one is empty")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):

@@ -6,8 +6,12 @@ a stop might still be forming (streaming holds those back). Used by :func:`tform
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Protocol
+
+import torch
+from torch import Tensor
 
 
 class TextDecoder(Protocol):
@@ -16,11 +20,26 @@ class TextDecoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def token_id(value: object, what: str) -> int:
+    """``value`` as a token id: an integer (Python's, NumPy's, or a one-value integer tensor), never a float, a bool
+    or a string, which ``int()`` would turn into some other id without a word; ``what`` names it in the error."""
+    if isinstance(value, Tensor):
+        if value.numel() == 1 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            return int(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ValueError(f"{what} holds {value!r}, which is not a token id: ids are integers (not floats or bools)")
+
+
 def eos_ids(eos_id: int | Sequence[int] | None) -> frozenset[int]:
     """The end-of-sequence ids of ``eos_id``: none, one, or several (models such as Llama 3 end at any of a list)."""
     if eos_id is None:
         return frozenset()
-    return frozenset([int(eos_id)] if isinstance(eos_id, int) else (int(e) for e in eos_id))
+    if isinstance(eos_id, (numbers.Integral, Tensor)) and not (isinstance(eos_id, Tensor) and eos_id.dim() > 0):
+        return frozenset([token_id(eos_id, "eos_id")])
+    if isinstance(eos_id, (str, bytes)) or not isinstance(eos_id, (Sequence, Tensor, frozenset, set)):
+        raise ValueError(f"eos_id must be a token id or a list of them; got {eos_id!r}")
+    return frozenset(token_id(e, "eos_id") for e in eos_id)
 
 
 class Stopper:
@@ -35,25 +54,37 @@ class Stopper:
 
     def __init__(
         self,
-        stop: Sequence[str | Sequence[int]] | None,
+        stop: str | Sequence[str | Sequence[int]] | None,
         eos_id: int | Sequence[int] | None,
         tokenizer: TextDecoder | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """``stop``: stop strings and stop sequences of token ids (a lone string is one stop string);
+        ``vocab_size``: if given, every EOS and stop id must lie in ``[0, vocab_size)`` (one that cannot occur would
+        never stop anything)."""
         self.eos_ids = eos_ids(eos_id)
         self.id_stops: list[list[int]] = []
         self.text_stops: list[str] = []
-        for item in stop or ():
+        for item in [stop] if isinstance(stop, str) else stop or ():
             if isinstance(item, str):
-                if tokenizer is None:
-                    raise ValueError(f"the stop string {item!r} needs a tokenizer (pass tokenizer=...)")
+                if not callable(getattr(tokenizer, "decode", None)):
+                    raise ValueError(f"the stop string {item!r} needs a tokenizer: pass the model's (tokenizer=...)")
                 if not item:
                     raise ValueError("a stop string (--stop) must not be empty")
                 self.text_stops.append(item)
-            else:
-                ids = [int(t) for t in item]
+            elif isinstance(item, (Sequence, Tensor)):
+                ids = [token_id(t, "a stop sequence") for t in item]
                 if not ids:
                     raise ValueError("a stop sequence of token ids must not be empty")
                 self.id_stops.append(ids)
+            else:
+                raise ValueError(
+                    f"stop holds {item!r}; each stop is a string or a list of token ids (one id: stop=[[{item!r}]])"
+                )
+        for e in sorted(self.eos_ids.union(*self.id_stops)) if vocab_size is not None else ():
+            if not 0 <= e < vocab_size:
+                what = "eos_id" if e in self.eos_ids else "a stop sequence's id"
+                raise ValueError(f"{what} {e} is outside the vocabulary [0, {vocab_size})")
         self.tokenizer = tokenizer
 
     @property
