@@ -155,3 +155,18 @@ def test_no_training_function_outgrows_its_budget():
                 if lines > FUNCTION_BUDGET:
                     long.append(f"{relative(path)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+# folders whose modules the README's package tree names one by one (cli/, claims/ and experiments/ are described
+# as a whole: one module per command, the sandbox, one module per experiment)
+LISTED_FOLDERS = ("attention", "generation", "training", "interop", "explore")
+
+
+def test_the_readme_package_tree_names_every_module_of_the_listed_folders():
+    readme = (PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")
+    tree = readme.split("```text\nsrc/tformer/\n", 1)[1].split("```", 1)[0]
+    named = set(re.findall(r"\w+\.py", tree))
+    modules = [relative(p) for p in MODULES if p.name not in ("__init__.py", "__main__.py")]
+    listed = [m for m in modules if "/" not in m or m.split("/")[0] in LISTED_FOLDERS]
+    missing = [m for m in listed if Path(m).name not in named]
+    assert not missing, f"modules not named in README's 'What is inside': {missing}"

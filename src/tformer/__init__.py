@@ -1,9 +1,9 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
-Layers of the package (dependencies point one way):
-    config, functional, kernels, memory (tensor math) <- attention <- positions, layers <- models <- generation,
-    quantization <- training <- interop (Hugging Face and GGUF checkpoints), experiments, claims <- explore (the page)
-    <- cli (tests/test_layout.py holds it).
+Layers of the package (dependencies point one way; modules of one layer may use each other):
+    config, functional, kernels, memory (tensor math) <- attention <- positions, layers, quantization, fused <- models
+    <- generation <- training <- interop (Hugging Face and GGUF checkpoints), experiments, claims <- explore (the
+    page) <- cli (tests/test_layout.py holds it).
 
 Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
 tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.
