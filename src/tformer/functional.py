@@ -87,12 +87,13 @@ def check_mask(attn_mask: Tensor, query: Tensor, key: Tensor) -> None:
     """``ValueError`` unless ``attn_mask`` is boolean or floating and broadcasts to the scores ``(..., L, S)``."""
     _check_mask_dtype(attn_mask)
     L, S = query.shape[-2], key.shape[-2]
-    *lead, rows, cols = (0, 0, *attn_mask.shape)[-max(attn_mask.dim(), 2) :]  # fewer than 2 dims: no fit
-    fits = rows in (1, L) and cols in (1, S) and attn_mask.dim() >= 2
-    try:
-        torch.broadcast_shapes(tuple(lead), tuple(query.shape[:-2]))
-    except RuntimeError:
-        fits = False
+    shape = tuple(attn_mask.shape)
+    fits = len(shape) >= 2 and shape[-2] in (1, L) and shape[-1] in (1, S)
+    if fits:
+        try:
+            torch.broadcast_shapes(shape[:-2], tuple(query.shape[:-2]))  # the batch and head dims
+        except RuntimeError:
+            fits = False
     if not fits:
         raise ValueError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the scores (..., L={L}, S={S}) of "

@@ -7,7 +7,7 @@ a stop might still be forming (streaming holds those back). Used by :func:`tform
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -35,9 +35,11 @@ def eos_ids(eos_id: int | Sequence[int] | None) -> frozenset[int]:
     """The end-of-sequence ids of ``eos_id``: none, one, or several (models such as Llama 3 end at any of a list)."""
     if eos_id is None:
         return frozenset()
-    if isinstance(eos_id, (numbers.Integral, Tensor)) and not (isinstance(eos_id, Tensor) and eos_id.dim() > 0):
+    if isinstance(eos_id, Tensor):
+        eos_id = eos_id.reshape(-1).tolist()  # one id or several (floats and bools stay refused below)
+    if isinstance(eos_id, numbers.Integral):
         return frozenset([token_id(eos_id, "eos_id")])
-    if isinstance(eos_id, (str, bytes)) or not isinstance(eos_id, (Sequence, Tensor, frozenset, set)):
+    if isinstance(eos_id, (str, bytes)) or not isinstance(eos_id, Iterable):
         raise ValueError(f"eos_id must be a token id or a list of them; got {eos_id!r}")
     return frozenset(token_id(e, "eos_id") for e in eos_id)
 
