@@ -289,6 +289,7 @@ def test_trained_findings_write_ranges_with_to_and_need_two_layers_for_depth():
         "sinusoid shift as a rotation (): max |PE[pos+k] - M_k PE[pos]| = 0.00e+00 (float64)",
         "gradient norm of W_2 across depth: not compared, as depth comparisons need at least 2 layers and this "
         "model has 1",
+        "measured on the first 32 tokens of the English paragraph (trained.TEXT)",
     ]
     assert one.tables()[0].rows[0][4] == "2.00 / 2.13"
 
@@ -302,5 +303,5 @@ def test_trained_findings_write_ranges_with_to_and_need_two_layers_for_depth():
         in (findings[0])
     )
     assert findings[1].startswith("attention entropy per head, as a share of uniform: 0.90 (mean 0.90)")
-    assert findings[-1] == "gradient norm of W_2 across depth (next-token cross-entropy): top/bottom 2, max/min 2"
+    assert findings[-2] == "gradient norm of W_2 across depth (next-token cross-entropy): top/bottom 2, max/min 2"
     assert [row[4] for row in two.tables()[0].rows] == ["3.10 / 4.17", "4.20 / 3.00"]

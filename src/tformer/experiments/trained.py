@@ -6,7 +6,10 @@ all-MiniLM-L6-v2, the two real checkpoints ``make`` installs).
 
 Measured on one forward pass over an English paragraph (:data:`TEXT`, cut to ``seq_len`` tokens), with every
 attention layer's inputs captured by a forward hook and the layer's queries and keys recomputed from its own weights
-(:func:`tformer.experiments._common.per_head_queries_keys`):
+(:func:`tformer.experiments._common.per_head_queries_keys`). A model whose tokenizer cannot encode the paragraph (a
+char tokenizer that lacks some of its characters, as a ``--task`` model's digits: it would raise, drop them or read
+``<unk>``) is measured on a probe text of its own characters instead (:func:`probe_text`: as long as the paragraph,
+drawn uniformly with a fixed seed, so every run measures the same tokens); the section says which text was used.
 
 1. Q1(a) scaling: per layer, the variance of the logits ``q.k`` the softmax sees (causal: the allowed pairs) before
    and after the ``1/sqrt(d_k)`` scale, and the variance of the query and key entries. The source's premise is
@@ -74,6 +77,7 @@ TEXT = (
     "an identity path from the loss to the first layer. Trained on large amounts of text, such models translate, "
     "answer questions and write programs, one token at a time."
 )
+PROBE_SEED = 0  # the probe text's draw (:func:`probe_text`): fixed, so the figures are the same on every run
 ROPE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ROPE_STARTS = (0, 1, 7, 100, 1000, 4096)
 MARIAN_WIDTH = 512
@@ -106,6 +110,8 @@ class TrainedResult:
     grad_norms: list[float] = field(default_factory=list)
     objective: str = ""
     figure: str = ""  # the PNG's name without .png (default: trained-NAME)
+    text: str = TEXT  # what the tokens were cut from: the paragraph, or a probe of the tokenizer's characters
+    probe_reason: str = ""  # why the paragraph was not used ("" when it was)
 
     @property
     def relative_grads(self) -> list[float]:
@@ -136,7 +142,17 @@ class TrainedResult:
             "entropy/log n: min / mean / max head",
             "grad W_2 / mean",
         )
-        return [Table(columns, tuple(rows), f"{self.name}: per layer ({self.tokens} tokens)")]
+        text = "the paragraph" if self.text == TEXT else "a probe text"
+        return [Table(columns, tuple(rows), f"{self.name}: per layer ({self.tokens} tokens of {text})")]
+
+    def text_finding(self) -> str:
+        """Which text the figures were measured on."""
+        if self.text == TEXT:
+            return f"measured on the first {self.tokens} tokens of the English paragraph (trained.TEXT)"
+        return (  # a probe is a char tokenizer's: one token per character
+            f"measured on a probe text, not the English paragraph, as {self.probe_reason}: {self.tokens} of the "
+            f"tokenizer's own characters drawn uniformly (seed {PROBE_SEED}), {self.text[: self.tokens]!r}"
+        )
 
     def findings(self) -> list[str]:
         ratios = [s.var_raw / s.var_scaled for s in self.layers]
@@ -171,6 +187,7 @@ class TrainedResult:
                 f"gradient norm of W_2 across depth ({self.objective}): top/bottom {grads[-1] / grads[0]:.3g}, "
                 f"max/min {max(grads) / min(grads):.3g}"
             )
+        out.append(self.text_finding())
         return out
 
     def plot(self, out_dir: Path) -> list[Path]:
@@ -264,10 +281,40 @@ def load(path: str | Path) -> tuple[nn.Module, Any, str]:
     return ckpt.model.float().eval(), ckpt.tokenizer, f"tformer {ckpt.kind}"
 
 
-def _token_ids(tokenizer: Any, vocab_size: int, seq_len: int) -> list[int]:
-    ids = [i for i in tokenizer.encode(TEXT) if 0 <= i < vocab_size][:seq_len]
+def probe_text(chars: Sequence[str], length: int = len(TEXT), seed: int = PROBE_SEED) -> str:
+    """``length`` characters drawn uniformly from ``chars`` by a generator seeded with ``seed``: text any char
+    tokenizer of ``chars`` encodes, one token per character (for a ``--task`` model, sequences of its symbols as its
+    sources are, only longer)."""
+    if not chars:
+        raise ValueError("a probe text needs at least one character; the tokenizer has none")
+    picks = torch.randint(len(chars), (length,), generator=torch.Generator().manual_seed(seed))
+    return "".join(chars[i] for i in picks.tolist())
+
+
+def choose_text(tokenizer: Any) -> tuple[str, str]:
+    """The text to measure on and, when it is not :data:`TEXT`, why: the paragraph, unless the tokenizer is a char
+    tokenizer lacking some of its characters (it would raise, drop them or read ``<unk>``), which gets a
+    :func:`probe_text` of its own characters. Byte, BPE and Hugging Face tokenizers encode any text."""
+    from tformer.training.tokenizers import CharTokenizer
+
+    if not isinstance(tokenizer, CharTokenizer):
+        return TEXT, ""
+    known = set(tokenizer.chars)
+    lacking = [c for c in dict.fromkeys(TEXT) if c not in known]  # in the paragraph's order
+    if not lacking:
+        return TEXT, ""
+    reason = (
+        f"its char tokenizer ({len(known)} characters) lacks {len(lacking)} of the paragraph's {len(set(TEXT))} "
+        f"characters (the first: {lacking[0]!r})"
+    )
+    return probe_text(tokenizer.chars), reason
+
+
+def _token_ids(tokenizer: Any, text: str, vocab_size: int, seq_len: int) -> list[int]:
+    ids = [i for i in tokenizer.encode(text) if 0 <= i < vocab_size][:seq_len]
     if len(ids) < 4:
-        raise ValueError(f"the tokenizer turns the paragraph into {len(ids)} known tokens; need at least 4")
+        what = "the paragraph" if text == TEXT else "the probe text"
+        raise ValueError(f"the tokenizer turns {what} into {len(ids)} known tokens; need at least 4")
     return ids
 
 
@@ -362,7 +409,8 @@ def _grad_norms(model: nn.Module, ids: Tensor) -> tuple[list[float], str]:
 
 
 def run(checkpoint: str | Path, seq_len: int = 128, name: str | None = None) -> TrainedResult:
-    """Measure the claims on the checkpoint at ``checkpoint`` over ``seq_len`` tokens of :data:`TEXT`."""
+    """Measure the claims on the checkpoint at ``checkpoint`` over ``seq_len`` tokens of :data:`TEXT` (or of a
+    probe text of the tokenizer's own characters, where it cannot encode the paragraph: :func:`choose_text`)."""
     if seq_len < 4:
         raise ValueError(f"seq_len must be at least 4; got {seq_len}")
     model, tokenizer, family = load(checkpoint)
@@ -370,12 +418,14 @@ def run(checkpoint: str | Path, seq_len: int = 128, name: str | None = None) -> 
         raise ValueError(f"{checkpoint}: the trained-weights report needs the checkpoint's tokenizer")
     cfg = model.cfg
     limit = seq_len if cfg.position != "learned" else min(seq_len, cfg.max_seq_len)
-    ids = torch.tensor([_token_ids(tokenizer, cfg.vocab_size, limit)])
+    text, probe_reason = choose_text(tokenizer)
+    ids = torch.tensor([_token_ids(tokenizer, text, cfg.vocab_size, limit)])
     encoder = model.encoder if isinstance(model, EncoderDecoder) else model
     with torch.no_grad():
         calls = _capture(encoder, lambda: encoder(ids))  # a DecoderLM is its own "encoder" here
     layers = [_layer_stats(m, x, mask, causal) for m, x, mask, causal in calls]
     result = TrainedResult(name or display_name(checkpoint), family, cfg.norm_first, cfg.head_dim, layers, ids.shape[1])
+    result.text, result.probe_reason = text, probe_reason
     if cfg.position == "rotary":
         mha, x = calls[len(calls) // 2][:2]  # a middle layer
         result.rope_deviation, result.rope_scale, result.rope_curve = _rope(mha, x)
@@ -384,4 +434,4 @@ def run(checkpoint: str | Path, seq_len: int = 128, name: str | None = None) -> 
     return result
 
 
-__all__ = ["TEXT", "TrainedResult", "check", "run", "sinusoid_rotation_error"]
+__all__ = ["TEXT", "TrainedResult", "check", "choose_text", "probe_text", "run", "sinusoid_rotation_error"]
