@@ -19,6 +19,13 @@ API (``POST``, a JSON object in, a JSON object out; a bad request gets a 4xx and
 * ``/api/positions`` ``{"prompt", "layer", "kind"="self"}``: scores against the offset ``n - m`` (RoPE: the
   layer's real projections; sinusoidal: the table).
 
+Methods: the page's files (``/``, ``/app.js``, ``/style.css``) and ``/api/info`` answer ``GET`` and ``HEAD`` (the
+same status and headers as ``GET``, no body: HTTP requires a server that answers ``GET`` to answer ``HEAD``); the
+other endpoints answer ``POST``. Any other method, on a path that exists, is a ``405`` with an ``Allow`` header
+naming the path's methods (``GET /api/analyze`` too, and ``POST /api/info``); a path that does not exist is a
+``404`` whatever the method. Every error, these and the HTTP server's own (a malformed request line, a URI or
+headers over its limits), is JSON: ``{"error": "one line"}``.
+
 Limits: a body over :data:`MAX_BODY` bytes is refused from its ``Content-Length`` before it is read; a client that
 stops sending is dropped after :data:`READ_TIMEOUT` seconds; one forward pass runs at a time (a lock), requests in
 any number of threads.
@@ -181,6 +188,16 @@ def api_positions(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
 
 
 ENDPOINTS = {"analyze": api_analyze, "attention": api_attention, "sample": api_sample, "positions": api_positions}
+PAGES = ("/api/info", *STATIC)  # what GET (and HEAD) serves
+
+
+def allowed_methods(path: str) -> tuple[str, ...]:
+    """The methods the resource at ``path`` answers (its ``Allow`` header); ``()`` when there is no such resource."""
+    if path in PAGES:
+        return ("GET", "HEAD")
+    if path.startswith("/api/") and path.removeprefix("/api/") in ENDPOINTS:
+        return ("POST",)
+    return ()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -194,7 +211,8 @@ class Handler(BaseHTTPRequestHandler):
         if getattr(self.server, "verbose", False):
             super().log_message(format, *args)
 
-    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+    def _send(self, status: HTTPStatus, body: bytes, content_type: str, allow: tuple[str, ...] = ()) -> None:
+        """The response; for ``HEAD`` its status and headers alone (``Content-Length`` still the body's)."""
         try:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
@@ -202,35 +220,65 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Security-Policy", CSP)
             self.send_header("X-Content-Type-Options", "nosniff")
             self.send_header("Cache-Control", "no-store")
+            if allow:
+                self.send_header("Allow", ", ".join(allow))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left; nothing to tell it
 
-    def _json(self, status: HTTPStatus, data: dict[str, Any]) -> None:
-        self._send(status, json.dumps(data, allow_nan=False).encode(), "application/json")
+    def _json(self, status: HTTPStatus, data: dict[str, Any], allow: tuple[str, ...] = ()) -> None:
+        self._send(status, json.dumps(data, allow_nan=False).encode(), "application/json", allow)
 
-    def _error(self, status: HTTPStatus, message: str) -> None:
-        self._json(status, {"error": message.splitlines()[0] if message else status.phrase})
+    def _error(self, status: HTTPStatus, message: str, allow: tuple[str, ...] = ()) -> None:
+        self._json(status, {"error": message.splitlines()[0] if message else status.phrase}, allow)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The base class's own errors (a malformed request line, a URI or headers over its limits) as JSON too,
+        not its HTML page; the connection is closed after them, as the base class does."""
+        status = HTTPStatus(code)
+        self.log_error("code %d, message %s", code, message)
+        self.close_connection = True
+        self._error(status, message or status.phrase)
+
+    def parse_request(self) -> bool:
+        """The base class's parsing, then the method and path: ``False`` (answered here) unless the path exists
+        and takes the method (404: no such path; 405 with ``Allow``: not that method), so that a method without a
+        ``do_`` handler (PUT, DELETE, ...) is a 405, not the base class's 501."""
+        if not super().parse_request():
+            return False
+        path = urlsplit(self.path).path
+        allowed = allowed_methods(path)
+        if self.command in allowed:
+            return True
+        if self.command not in ("GET", "HEAD"):
+            self.close_connection = True  # its body, if any, is left unread
+        if not allowed and self.command == "POST":
+            self._error(HTTPStatus.NOT_FOUND, f"no such endpoint {path[:80]!r}; POST to /api/{{{','.join(ENDPOINTS)}}}")
+        elif not allowed:  # /../, absolute paths and anything else: only the page's own files and the API exist here
+            self._error(HTTPStatus.NOT_FOUND, f"no such page {path[:80]!r}")
+        else:
+            use = " or ".join(allowed)
+            self._error(
+                HTTPStatus.METHOD_NOT_ALLOWED, f"{path[:80]!r} does not take {self.command[:20]}; use {use}", allowed
+            )
+        return False
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
         if path == "/api/info":
             return self._json(HTTPStatus.OK, self.server.explorer.info())
-        name = STATIC.get(path)
-        if name is None:  # /../, absolute paths and anything else: only the page's own files exist here
-            return self._error(HTTPStatus.NOT_FOUND, f"no such page {path[:80]!r}")
+        name = STATIC[path]  # parse_request let through only the pages
         body = resources.files("tformer.explore").joinpath("static", name).read_bytes()
         self._send(HTTPStatus.OK, body, TYPES[name[name.rindex(".") :]])
 
+    do_HEAD = do_GET  # the same status and headers; _send leaves out the body
+
     def do_POST(self) -> None:
-        path = urlsplit(self.path).path
-        endpoint = path.removeprefix("/api/") if path.startswith("/api/") else None
-        if endpoint not in ENDPOINTS:
-            self.close_connection = True
-            return self._error(
-                HTTPStatus.NOT_FOUND, f"no such endpoint {path[:80]!r}; POST to /api/{{{','.join(ENDPOINTS)}}}"
-            )
+        endpoint = urlsplit(self.path).path.removeprefix("/api/")  # parse_request let through only the endpoints
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             self.close_connection = True
