@@ -35,9 +35,12 @@ def write_llama_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     arch: str = "llama",
     rope_scaling: str | None = None,
+    rope_factor: float | None = None,
     chat_template: str | None = None,
+    tokenizer: bool = True,
 ) -> Path:
-    """``hf_model`` (a tiny ``LlamaForCausalLM``) as a GGUF file at ``path``; matrices stored as ``qtype``."""
+    """``hf_model`` (a tiny ``LlamaForCausalLM``) as a GGUF file at ``path``; matrices stored as ``qtype``;
+    ``tokenizer=False``: no tokenizer metadata and no vocabulary size (only the embedding's rows tell it)."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -48,17 +51,21 @@ def write_llama_gguf(
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        w.add_vocab_size(cfg.vocab_size)
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
-    tokens, merges, types = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if rope_factor is not None:
+        w.add_rope_scaling_factor(rope_factor)
+    if tokenizer:
+        tokens, merges, types = tiny_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for name, tensor in hf_model.state_dict().items():

@@ -112,6 +112,22 @@ def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, ca
     assert first.eos_token is not None and first.convert_tokens_to_ids(first.eos_token) == EOS
 
 
+def test_convert_run_to_hf_keeps_the_runs_dtype_and_every_end_of_sequence_id(tiny_gguf, tmp_path, capsys):
+    """A run stored in bfloat16 went out as float32 ("default: as read"), and a second EOS id was dropped: the run
+    records the generation ids its source had, and the export now writes them."""
+    path, _ = tiny_gguf
+    assert cli(capsys, "convert", str(path), "--out", str(tmp_path / "hf"))[0] == 0
+    generation = tmp_path / "hf" / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [EOS, 5]}))
+    code, out, _ = cli(capsys, "convert", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), "--dtype", "bfloat16")
+    assert code == 0 and "run (bfloat16)" in out
+    code, out, _ = cli(capsys, "convert", str(tmp_path / "run"), "--out", str(tmp_path / "back"))
+    assert code == 0 and out == f"wrote a Hugging Face model directory (bfloat16) to {tmp_path / 'back'}\n"
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["eos_token_id"] == [EOS, 5]
+    first, back = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "back"))
+    assert sorted(back) == sorted(first) and all(torch.equal(back[k], first[k].to(torch.bfloat16)) for k in first)
+
+
 def test_convert_gguf_in_bfloat16_is_the_float32_conversion_cast_with_the_same_tokenizer_files(
     tiny_gguf, tmp_path, capsys
 ):

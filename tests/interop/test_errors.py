@@ -77,6 +77,12 @@ def test_a_config_that_is_not_json_is_named(gpt2_dir):
             {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
             "rope_type='linear' is not supported: tformer implements the unscaled RoPE only",
         ),
+        (  # transformers 5 reads rope_scaling beside a default rope_parameters: it scales, so this must refuse
+            "llama",
+            {"rope_scaling": {"type": "linear", "factor": 2.0}},
+            "rope_type='linear' is not supported: tformer implements the unscaled RoPE only",
+        ),
+        ("llama", {"rope_scaling": {"factor": 4.0}}, "rope_scaling.factor=4.0 is not supported"),
         ("llama", {"head_dim": 16}, "head_dim=16 is not supported: tformer's heads are d_model / heads = 8 wide"),
         ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
         ("mistral", {"sliding_window": 16}, "sliding_window=16 is not supported"),
@@ -221,6 +227,10 @@ def test_the_python_api_names_common_mistakes(saved, minilm, tmp_path, monkeypat
         load_pretrained(saved("gpt2").path, dtype="int8")
     with pytest.raises(InteropError, match=r"dtype=torch.int8 is not a floating-point dtype; .*tformer.quantize"):
         load_pretrained(saved("gpt2").path, dtype=torch.int8)
+    with pytest.raises(InteropError, match=r"dtype='bf16' is not the name of a torch dtype; use 'float32', 'bfloat16'"):
+        load_pretrained(saved("gpt2").path, dtype="bf16")  # it said "not a floating-point dtype"
+    with pytest.raises(InteropError, match="device='meta' holds no data: the weights would be dropped"):
+        load_pretrained(saved("gpt2").path, device="meta")
     with pytest.raises(InteropError, match="device='gpu' is not a torch device; use e.g. 'cpu' or 'cuda'"):
         load_pretrained(saved("gpt2").path, device="gpu")
     if not torch.cuda.is_available():  # a machine without CUDA: the error comes before loading, naming the device

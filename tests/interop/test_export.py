@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.interop.hf_models import CASES, TOL, batch, ours, padded, theirs
+from tests.interop.hf_models import CASES, PAD, TOL, batch, ours, padded, real_error, theirs, tiny_hf
 from tformer import DecoderLM, EncoderDecoder, TransformerConfig, load_checkpoint, train
 from tformer.interop import InteropError, hf, load_pretrained, save_pretrained
 
@@ -74,9 +74,12 @@ def test_a_model_that_fits_no_family_is_refused_by_field(tmp_path):
     model = DecoderLM(TransformerConfig.tiny(position="learned", norm_first=False))  # GPT-2 is Pre-LN
     with pytest.raises(InteropError, match=r"TransformerConfig\.norm_first=False \(GPT-2 needs True\)"):
         save_pretrained(model, tmp_path / "out")
-    llama_but_biased = dict(position="rotary", pair_layout="half", norm="rms", ffn="gated", bias=True)
+    # biases on the output projection and feed-forward but not on q, k, v: Llama's attention_bias covers all four
+    llama_but_biased = dict(position="rotary", pair_layout="half", norm="rms", ffn="gated", bias=True, qkv_bias=False)
     model = DecoderLM(TransformerConfig.tiny(**llama_but_biased))
-    with pytest.raises(InteropError, match=r"closest: llama, but TransformerConfig\.bias=True \(Llama needs False\)$"):
+    with pytest.raises(
+        InteropError, match=r"closest: llama, but TransformerConfig\.qkv_bias=False \(Llama needs None or True\)$"
+    ):
         save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -136,4 +139,39 @@ def test_a_quantized_model_is_refused_and_nothing_is_written(saved, tmp_path):
     model = quantize(load_pretrained(saved("llama").path).model)
     with pytest.raises(InteropError, match=r"a quantized \(int8\) model cannot be exported"):
         save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_llama_with_every_bias_loads_and_exports_again(tmp_path):
+    """``attention_bias`` and ``mlp_bias`` together are tformer's ``bias=True``: it loaded, but export refused it."""
+    model = tiny_hf("llama", attention_bias=True, mlp_bias=True)
+    model.save_pretrained(tmp_path / "hf")
+    pretrained = load_pretrained(tmp_path / "hf")
+    assert pretrained.model.cfg.bias and pretrained.model.cfg.qkv_bias is None
+    b = batch("lm")
+    assert real_error("lm", b, ours(pretrained.model, "lm", b), theirs(model, "lm", b)) < TOL
+    out = save_pretrained(pretrained.model, tmp_path / "out", generation=pretrained.generation)
+    before, after = tensors(tmp_path / "hf"), tensors(out)
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    again, info = transformers.LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {} and again.config.attention_bias and again.config.mlp_bias
+
+
+def test_an_exported_marian_model_generates_in_transformers(saved, tmp_path):
+    """transformers 5 reads the decoder start from generation_config.json: without it, generate refused."""
+    pretrained = load_pretrained(saved("marian").path)
+    out = save_pretrained(pretrained.model, tmp_path / "out", tokenizer=pretrained.tokenizer)
+    assert json.loads((out / "generation_config.json").read_text())["decoder_start_token_id"] == PAD
+    model = transformers.MarianMTModel.from_pretrained(out).eval()
+    src = torch.tensor([[5, 6, 7, 0]])
+    with torch.no_grad():
+        tokens = model.generate(src, max_new_tokens=4, do_sample=False, num_beams=1)
+    assert tokens[0, 0] == PAD and tokens.shape[1] > 1
+
+
+def test_a_tokenizer_that_is_not_tformers_is_refused_not_dropped(saved, tmp_path):
+    pretrained = load_pretrained(saved("llama").path)
+    for wrong in ("hello", object()):
+        with pytest.raises(TypeError, match=r"save_pretrained takes tformer's tokenizer \(pretrained.tokenizer"):
+            save_pretrained(pretrained.model, tmp_path / "out", tokenizer=wrong)
     assert not (tmp_path / "out").exists()

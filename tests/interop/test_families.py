@@ -99,3 +99,18 @@ def test_the_grouped_query_mapping_is_hugging_faces(saved):
             attn.out_proj.weight[:] = attn.out_proj.weight[:, rows].clone()
     assert perm != list(range(H))
     assert control_error(s, model) > CONTROL_MIN
+
+
+@pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForSequenceClassification"])
+def test_bert_files_with_a_task_head_or_without_a_pooler_load_as_their_encoder(tmp_path, head):
+    """BertForMaskedLM has no pooler (it was "pooler.dense.weight is missing"); a classifier head was "has no place"."""
+    import transformers
+
+    encoder = tiny_hf("bert")
+    model = getattr(transformers, head)(encoder.config).eval()
+    model.bert.load_state_dict(encoder.state_dict(), strict=False)  # the same encoder weights (and pooler, if any)
+    model.save_pretrained(tmp_path)
+    pretrained = load_pretrained(tmp_path)
+    assert pretrained.model.cfg.pooler == (head != "BertForMaskedLM")
+    b = batch("encoder")
+    assert real_error("encoder", b, ours(pretrained.model, "encoder", b), theirs(model.bert, "encoder", b)) < TOL

@@ -59,6 +59,15 @@ def test_a_gguf_llama_equals_transformers_loading_the_same_file(tmp_path, qtype)
     assert (quantized < TOL) == (qtype != Q8_0)  # Q8_0 rounds the weights: the float32 original is not matched
 
 
+def test_a_gguf_file_without_tokenizer_metadata_loads_its_model_alone(tmp_path):
+    """No tokenizer and no llama.vocab_size: the vocabulary is the embedding's rows (it was "vocab_size ... got 0")."""
+    hf = tiny_hf("llama-tied")
+    pretrained = load_pretrained(write_llama_gguf(tmp_path / "bare.gguf", hf, tokenizer=False))
+    assert pretrained.tokenizer is None and pretrained.model.cfg.vocab_size == hf.config.vocab_size
+    b = batch("lm")
+    assert real_error("lm", b, ours(pretrained.model, "lm", b), theirs(hf, "lm", b)) < TOL
+
+
 def test_the_gguf_tokenizer_matches_transformers(tmp_path):
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_hf("llama-tied"))
     ours_tok = load_pretrained(path).tokenizer
@@ -144,6 +153,7 @@ def test_without_a_writable_cache_it_converts_for_the_one_load(tmp_path, monkeyp
     [
         ({"arch": "gpt2"}, "general.architecture='gpt2' is not supported: tformer reads GGUF files of the llama"),
         ({"rope_scaling": "linear"}, "llama.rope.scaling.type='linear' is not supported"),
+        ({"rope_factor": 4.0}, "llama.rope.scaling.factor=4.0 is not supported"),  # a factor without a type
     ],
 )
 def test_gguf_files_tformer_cannot_read_are_refused_by_field(tmp_path, changes, message):

@@ -63,9 +63,8 @@ def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
         kind = "language-model" if isinstance(pretrained.model, DecoderLM) else "seq2seq"
         return _to_run(pretrained, path), f"a tformer {kind} run ({stored})"
     ckpt = load_run(src, None, "cpu", "convert")
-    if dtype is not None:
-        ckpt.model.to(torch_dtype(dtype))
-    save_pretrained(ckpt.model, path, tokenizer=ckpt.tokenizer)
+    ckpt.model.to(torch_dtype(dtype) if dtype is not None else _stored_dtype(ckpt.path))
+    save_pretrained(ckpt.model, path, tokenizer=ckpt.tokenizer, generation=_generation(ckpt))
     if not (path / "tokenizer.json").is_file():
         print(
             f"tformer convert: note: the run's {ckpt.tokenizer.kind} tokenizer has no tokenizer.json form "
@@ -74,6 +73,28 @@ def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
         )
     stored = str(next(ckpt.model.parameters()).dtype).removeprefix("torch.")
     return path, f"a Hugging Face model directory ({stored})"
+
+
+def _stored_dtype(checkpoint: Path):
+    """The dtype a checkpoint's weights are stored in (a run is read into float32): what "as read" keeps."""
+    from safetensors import safe_open
+
+    from tformer.training.checkpoint import WEIGHTS
+
+    with safe_open(checkpoint / WEIGHTS, "pt") as f:
+        names = list(f.keys())
+        return f.get_tensor(names[0]).dtype if names else torch_dtype("float32")
+
+
+def _generation(ckpt):
+    """The special ids a converted run recorded (several end-of-sequence ids, a decoder start), else ``None``: the
+    tokenizer's then."""
+    from tformer.interop.family import GenerationIds
+
+    gen = ckpt.train_config.get("generation")
+    if not gen:
+        return None
+    return GenerationIds(gen.get("bos"), tuple(gen.get("eos") or ()), gen.get("pad"), gen.get("decoder_start"))
 
 
 def _to_run(pretrained, path: Path) -> Path:

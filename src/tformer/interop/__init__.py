@@ -33,7 +33,7 @@ from tformer.interop.marian import Marian
 from tformer.memory import pack_weights
 from tformer.models import DecoderLM, Encoder, EncoderDecoder, pad_right
 from tformer.training import finetune
-from tformer.training.tokenizers import TOKENIZER_FILE, HFTokenizer
+from tformer.training.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer
 
 FAMILIES: dict[str, Family] = {
     t: f for f in (GPT2(), Bert(), Llama(), Qwen2(), Mistral(), Marian()) for t in f.model_types
@@ -66,6 +66,7 @@ def family_of(config: dict[str, Any], source: str) -> Family:
 def build(family: Family, cfg: TransformerConfig, tensors: dict[str, Tensor], source: str) -> nn.Module:
     """The tformer model of ``cfg`` holding ``tensors`` (HF names); every tensor used or ignored, every one of the
     model's filled (tied tensors through the one they share)."""
+    cfg = family.fit(cfg, set(family.rename(tensors)))
     with torch.device("meta"):  # no memory, no initialization: every tensor comes from the file
         model = MODEL_CLASSES[family.kind](cfg)
     model.to_empty(device="cpu")  # storage for the weights; the position tables are computed here
@@ -176,6 +177,8 @@ def _check_device(device: torch.device) -> None:
     with an ``AssertionError``)."""
     from tformer.training.runtime import unavailable
 
+    if device.type == "meta":
+        raise InteropError("device='meta' holds no data: the weights would be dropped; use 'cpu' or 'cuda'")
     missing = unavailable(device)
     if missing is not None:
         why, instead = missing
@@ -187,6 +190,11 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None:
         return dtype
     found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str) and not isinstance(found, torch.dtype):
+        raise InteropError(
+            f"dtype={dtype!r} is not the name of a torch dtype; use 'float32', 'bfloat16', 'float16' or 'float64' "
+            "(or torch.bfloat16, ...)"
+        )
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise InteropError(
             f"dtype={dtype!r} is not a floating-point dtype; use e.g. torch.bfloat16 or 'float32' (for int8 weights, "
@@ -202,8 +210,10 @@ def save_pretrained(
     tokenizer: Any | None = None,
     generation: GenerationIds | None = None,
 ) -> Path:
-    """Write ``model`` as a Hugging Face model directory at ``path`` (``config.json``, ``model.safetensors``, and for
-    a tokenizer with a Hugging Face form ``tokenizer.json`` and ``tokenizer_config.json``, its special tokens).
+    """Write ``model`` as a Hugging Face model directory at ``path`` (``config.json``, ``model.safetensors``,
+    ``generation_config.json``, and for a tokenizer with a Hugging Face form ``tokenizer.json`` and
+    ``tokenizer_config.json``, its special tokens). The special ids are ``generation``'s (pass
+    ``pretrained.generation`` to keep a model's several end-of-sequence ids), else the tokenizer's.
     ``InteropError`` names the config field when the model fits no family; nothing is written then."""
     from tformer.quantization import Int8Linear
     from tformer.training.checkpoint import unwrap
@@ -221,6 +231,11 @@ def save_pretrained(
             "a quantized (int8) model cannot be exported: Hugging Face's formats hold float weights; save the model "
             "before tformer.quantize"
         )
+    if tokenizer is not None and not isinstance(tokenizer, (Tokenizer, HFTokenizer)):
+        raise TypeError(
+            f"save_pretrained takes tformer's tokenizer (pretrained.tokenizer, or a run's); got a "
+            f"{type(tokenizer).__name__} (a transformers tokenizer saves itself: its save_pretrained(path))"
+        )
     family = family_for(model)
     generation = generation or _generation_of(tokenizer)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -235,7 +250,7 @@ def save_pretrained(
             "bos_token_id": generation.bos,
             "pad_token_id": generation.pad,
             "eos_token_id": list(generation.eos) if len(generation.eos) > 1 else generation.eos_id,
-            "decoder_start_token_id": generation.decoder_start,
+            "decoder_start_token_id": config.get("decoder_start_token_id", generation.decoder_start),  # Marian: pad
         }.items()
         if v is not None
     }

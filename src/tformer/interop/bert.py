@@ -3,7 +3,8 @@
 whose forward ``(ids, mask, token_type_ids)`` gives the last hidden states.
 
 q, k and v are three HF tensors, concatenated into tformer's ``in_proj``. Files of the ``BertFor...`` classes (a
-``bert.`` prefix) load too; their task heads (``cls.``) are ignored, as is the ``position_ids`` buffer of old files.
+``bert.`` prefix) load too; their task heads (``cls.``, ``classifier.``, ``qa_outputs.``) are ignored, as is the
+``position_ids`` buffer of old files, and a file without the pooler (``BertForMaskedLM``) loads without one.
 """
 
 from __future__ import annotations
@@ -96,10 +97,17 @@ class Bert(Family):
             Key("embed.norm.weight", ("embeddings.LayerNorm.weight",)),
             Key("embed.norm.bias", ("embeddings.LayerNorm.bias",)),
             *per_layer(cfg.num_layers, _layer(cfg.d_model)),
+        ]
+        pooler = [
             Key("pooler.dense.weight", ("pooler.dense.weight",)),
             Key("pooler.dense.bias", ("pooler.dense.bias",)),
         ]
-        return KeyTable(keys, ignored=(r"embeddings\.position_ids", r"cls\..*"))
+        heads = (r"cls\..*", r"classifier\..*", r"qa_outputs\..*")  # BertFor...'s task heads
+        return KeyTable(keys + (pooler if cfg.pooler else []), ignored=(r"embeddings\.position_ids", *heads))
+
+    def fit(self, cfg: TransformerConfig, names: set[str]) -> TransformerConfig:
+        """No pooler where the file has none (``BertForMaskedLM``, ``add_pooling_layer=False``)."""
+        return cfg if "pooler.dense.weight" in names else cfg.replace(pooler=False)
 
     def rename(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """``BertFor...`` files prefix the encoder's tensors with ``bert.``."""

@@ -59,6 +59,10 @@ class Family:
         """The file's tensors under the names of the key table (a prefix some files lack or add)."""
         return tensors
 
+    def fit(self, cfg: TransformerConfig, names: set[str]) -> TransformerConfig:
+        """``cfg`` with the optional parts the file's tensors (``names``, renamed) lack left out (default: as is)."""
+        return cfg
+
     def mismatches(self, cfg: TransformerConfig) -> list[str]:
         """Why ``cfg`` cannot be written as this family (empty: it can)."""
         raise NotImplementedError

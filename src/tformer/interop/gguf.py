@@ -135,11 +135,19 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
             f"{file.path}: llama.rope.scaling.type={scaling!r} is not supported: tformer implements "
             "the unscaled RoPE only"
         )
+    factor = file.field("llama.rope.scaling.factor")
+    if factor not in (None, 1, 1.0):
+        raise InteropError(
+            f"{file.path}: llama.rope.scaling.factor={factor} is not supported: tformer implements the unscaled "
+            "RoPE only"
+        )
     tokens = file.field("tokenizer.ggml.tokens")
     names = {t.name for t in file.reader.tensors}
+    embedding = next((t for t in file.reader.tensors if t.name == "token_embd.weight"), None)
+    rows = int(embedding.n_elements) // d_model if embedding is not None else 0  # without tokenizer metadata
     return {
         "model_type": "llama",
-        "vocab_size": int(file.field("llama.vocab_size") or len(tokens or ())),
+        "vocab_size": int(file.field("llama.vocab_size") or len(tokens or ()) or rows),
         "hidden_size": d_model,
         "num_attention_heads": heads,
         "num_key_value_heads": int(file.field("llama.attention.head_count_kv", heads)),

@@ -33,8 +33,12 @@ def rope_theta(hf: dict[str, Any], source: str) -> float:
     (unscaled) RoPE is supported."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    # either block may ask for scaling (transformers 5 reads rope_scaling beside a default rope_parameters too)
+    kinds = {block.get(key) for block in (params, scaling) for key in ("rope_type", "type")} - {None, "default"}
+    kind = ", ".join(sorted(map(str, kinds))) or "default"
     refuse(kind != "default", source, "rope_type", kind, "tformer implements the unscaled RoPE only")
+    factor = next((b["factor"] for b in (params, scaling) if b.get("factor") not in (None, 1, 1.0)), None)
+    refuse(factor is not None, source, "rope_scaling.factor", factor, "tformer implements the unscaled RoPE only")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
@@ -136,10 +140,11 @@ class Llama(Family):
             logits_bias=False,
             pooler=False,
         )
-        return differences(cfg, {**shape, **self._bias_shape()}, self.architecture.removesuffix("ForCausalLM"))
+        return differences(cfg, {**shape, **self._bias_shape(cfg)}, self.architecture.removesuffix("ForCausalLM"))
 
-    def _bias_shape(self) -> dict[str, Any]:
-        return {"qkv_bias": (None, False), "bias": False}
+    def _bias_shape(self, cfg: TransformerConfig) -> dict[str, Any]:
+        """Llama: attention_bias (q, k, v, o) and mlp_bias together: all biases or none."""
+        return {"qkv_bias": (None, cfg.bias), "bias": (False, True)}
 
     def hf_config(self, cfg: TransformerConfig, generation: GenerationIds) -> dict[str, Any]:
         return {
@@ -162,11 +167,11 @@ class Llama(Family):
             "bos_token_id": generation.bos,
             "eos_token_id": list(generation.eos) if len(generation.eos) > 1 else generation.eos_id,
             "pad_token_id": generation.pad,
-            **self._extra_hf_config(),
+            **self._extra_hf_config(cfg),
         }
 
-    def _extra_hf_config(self) -> dict[str, Any]:
-        return {"attention_bias": False, "mlp_bias": False}
+    def _extra_hf_config(self, cfg: TransformerConfig) -> dict[str, Any]:
+        return {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
 
 
 class Qwen2(Llama):
@@ -181,10 +186,10 @@ class Qwen2(Llama):
         used = bool(hf.get("use_sliding_window", False))
         refuse(used, source, "use_sliding_window", used, "tformer's attention sees every earlier position")
 
-    def _bias_shape(self) -> dict[str, Any]:
+    def _bias_shape(self, cfg: TransformerConfig) -> dict[str, Any]:
         return {"qkv_bias": True, "bias": False}
 
-    def _extra_hf_config(self) -> dict[str, Any]:
+    def _extra_hf_config(self, cfg: TransformerConfig) -> dict[str, Any]:
         return {"use_sliding_window": False}
 
 
@@ -196,5 +201,8 @@ class Mistral(Llama):
     def _biases(self, hf: dict[str, Any], source: str) -> tuple[bool | None, bool]:
         return None, False
 
-    def _extra_hf_config(self) -> dict[str, Any]:
+    def _bias_shape(self, cfg: TransformerConfig) -> dict[str, Any]:
+        return {"qkv_bias": (None, False), "bias": False}
+
+    def _extra_hf_config(self, cfg: TransformerConfig) -> dict[str, Any]:
         return {"sliding_window": None}
