@@ -84,6 +84,13 @@ def test_a_config_that_is_not_json_is_named(gpt2_dir):
         ),
         ("llama", {"rope_scaling": {"factor": 4.0}}, "rope_scaling.factor=4.0 is not supported"),
         ("llama", {"head_dim": 16}, "head_dim=16 is not supported: tformer's heads are d_model / heads = 8 wide"),
+        # values of the wrong kind: named with the file (they were a TypeError, a ZeroDivisionError, a float() error)
+        ("llama", {"hidden_size": "32"}, "hidden_size='32' must be a positive integer"),
+        ("llama", {"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
+        ("llama", {"num_hidden_layers": 2.0}, "num_hidden_layers=2.0 must be a positive integer"),
+        ("llama", {"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5' must be a positive number"),
+        ("llama", {"rope_parameters": {"rope_theta": "abc"}}, "rope_theta='abc' must be a number > 1"),
+        ("llama", {"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
         ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
         ("mistral", {"sliding_window": 16}, "sliding_window=16 is not supported"),
         # a window as long as every trained position: transformers drops keys past it, tformer runs on unwindowed

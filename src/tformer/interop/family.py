@@ -73,9 +73,17 @@ class Family:
 
 
 def setting(hf: dict[str, Any], name: str, source: str, default: Any = REQUIRED) -> Any:
-    """``hf[name]``, or ``default``; ``InteropError`` naming the file and the field when it is required and absent."""
+    """``hf[name]``, or ``default``; ``InteropError`` naming the file and the field when it is required and absent,
+    or not of its kind: a required setting or one with an integer default is a size (a positive integer), one with a
+    float default a positive number (an epsilon)."""
     if name in hf and hf[name] is not None:
-        return hf[name]
+        value = hf[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (default is REQUIRED or type(default) is int) and not (number and isinstance(value, int) and value >= 1):
+            raise InteropError(f"{source}: {name}={value!r} must be a positive integer")
+        if type(default) is float and not (number and value > 0):
+            raise InteropError(f"{source}: {name}={value!r} must be a positive number")
+        return value
     if default is REQUIRED:
         raise InteropError(f"{source}: config.json lacks {name!r}")
     return default

@@ -22,7 +22,7 @@ from tformer.interop.family import (
     reverse_activation,
     setting,
 )
-from tformer.interop.keys import Key, KeyTable, per_layer
+from tformer.interop.keys import InteropError, Key, KeyTable, per_layer
 
 L = "model.layers.{i}."
 B = "decoder.stack.blocks.{i}."
@@ -39,7 +39,18 @@ def rope_theta(hf: dict[str, Any], source: str) -> float:
     refuse(kind != "default", source, "rope_type", kind, "tformer implements the unscaled RoPE only")
     factor = next((b["factor"] for b in (params, scaling) if b.get("factor") not in (None, 1, 1.0)), None)
     refuse(factor is not None, source, "rope_scaling.factor", factor, "tformer implements the unscaled RoPE only")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise InteropError(f"{source}: rope_theta={theta!r} must be a number > 1 (the RoPE base, e.g. 10000)")
+    return float(theta)
+
+
+def _flag(hf: dict[str, Any], name: str, source: str) -> bool:
+    """A true/false setting (default false); a string such as ``"false"`` would read as true."""
+    value = hf.get(name, False)
+    if not isinstance(value, bool):
+        raise InteropError(f"{source}: {name}={value!r} must be true or false")
+    return value
 
 
 class Llama(Family):
@@ -68,7 +79,7 @@ class Llama(Family):
             norm_first=True,
             bias=bias,
             qkv_bias=qkv_bias,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=_flag(hf, "tie_word_embeddings", source),
         )
 
     def _biases(self, hf: dict[str, Any], source: str) -> tuple[bool | None, bool]:
