@@ -291,3 +291,14 @@ def test_a_file_given_as_a_run_names_the_formats_that_load(tmp_path, capsys):
     assert main(["sample", "--checkpoint", str(notes), "--prompt", "x"]) == 2
     line = one_line(capsys)
     assert f"{notes}: not a checkpoint" in line and "a .gguf file" in line
+
+
+def test_special_ids_that_are_not_token_ids_are_named(saved, tmp_path):
+    """2.7 was read as 2 and "2" as 2 without a word."""
+    directory = shutil.copytree(saved("llama").path, tmp_path / "llama")
+    for value, shown in ((2.7, "2.7"), ("2", "'2'"), ([2, True], r"\[2, True\]")):
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        with pytest.raises(InteropError, match=rf"eos_token_id={shown} must be a token id \(an integer\) or a list"):
+            load_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "pad_token_id": -1}))
+    assert load_pretrained(directory).generation.eos == (2, 5)  # a pad of -1 (old Llama conversions) is kept

@@ -133,7 +133,11 @@ def _load_directory(path: Path) -> Pretrained:
     cfg = family.config(config, source)
     model = build(family, cfg, hf.read_tensors(path), str(path))
     generation_file = path / hf.GENERATION
-    generation = hf.generation_ids(config, hf.read_json(generation_file) if generation_file.is_file() else None)
+    generation = hf.generation_ids(
+        config,
+        hf.read_json(generation_file) if generation_file.is_file() else None,
+        f"{path} ({hf.CONFIG} or {hf.GENERATION})",
+    )
     tokenizer = None
     if (path / TOKENIZER_FILE).is_file():
         settings = path / hf.TOKENIZER_CONFIG

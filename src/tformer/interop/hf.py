@@ -82,12 +82,21 @@ def file_dtype(tensors: dict[str, Tensor]) -> torch.dtype:
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
-def generation_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> GenerationIds:
-    """The special ids: ``generation_config.json`` first, then ``config.json``."""
+def generation_ids(config: dict[str, Any], generation: dict[str, Any] | None, source: str = "") -> GenerationIds:
+    """The special ids: ``generation_config.json`` first, then ``config.json``; ``InteropError`` naming the field for
+    one that is not an integer (``2.7`` or ``"2"`` would be read as some id without a word). Their range is not
+    checked here: transformers' own tiny configs keep GPT-2's 50256 beside a small vocabulary; ``generate`` refuses
+    an end id outside the vocabulary when it is used."""
     merged = {**config, **(generation or {})}
+    for name in (*SPECIAL_IDS, "decoder_start_token_id"):
+        for value in _ids(merged.get(name)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InteropError(
+                    f"{source}: {name}={merged[name]!r} must be a token id (an integer) or a list of them"
+                )
 
     def one(name: str) -> int | None:
         value = merged.get(name)
