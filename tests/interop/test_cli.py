@@ -68,6 +68,11 @@ def test_the_first_load_of_a_gguf_file_says_that_it_converts_and_later_loads_do_
     assert code == 0 and err.startswith(f"tformer sample: converting {path.name} to safetensors (first use; cached in ")
     code, again, err = cli(capsys, *args)
     assert code == 0 and err == "" and again == first
+    fake = path.with_name("fake.gguf")
+    fake.write_text("not a model")  # nothing is converted: the one line is the loader's refusal, no note before it
+    code, _, err = cli(capsys, "sample", "--checkpoint", str(fake), "--prompt", "the")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"tformer sample: error: {fake}: not a readable GGUF file")
 
 
 def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, capsys):

@@ -277,6 +277,15 @@ def test_a_folder_it_cannot_write_is_one_error_naming_it(saved, tmp_path, read_o
     assert os.listdir(tmp_path) == []
 
 
+def test_a_path_under_a_file_is_named_as_such(saved, tmp_path):
+    """It said "cannot write there (File exists)", naming neither the file nor why."""
+    model = load_pretrained(saved("gpt2").path).model
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InteropError, match=rf"sub/out: {tmp_path / 'afile'} is a file, so no folder can be made"):
+        save_pretrained(model, tmp_path / "afile" / "sub" / "out")
+    assert os.listdir(tmp_path) == ["afile"]
+
+
 def test_a_hugging_face_directory_given_to_load_checkpoint_names_load_pretrained(gpt2_dir):
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(gpt2_dir)

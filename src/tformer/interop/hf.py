@@ -133,6 +133,9 @@ def write_directory(
 
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InteropError(f"{path}: already exists and is not an empty folder; choose another path or delete it")
+    above = next((folder for folder in path.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UnwritableFolder(f"{path}: {above} is a file, so no folder can be made under it; choose another path")
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
