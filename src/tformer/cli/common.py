@@ -92,22 +92,13 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
     return Loaded(pretrained.model, pretrained.tokenizer, Path(path), tuple(eos), start)
 
 
-def _gguf_magic(file: Path) -> bool:
-    """Whether ``file`` starts as a GGUF file does (another file is refused by the loader, with nothing to note)."""
-    try:
-        with open(file, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def note_first_conversion(path: str, command: str) -> None:
     """Say on stderr that a GGUF file is about to be converted (its first load: dequantized and written to the
     cache, tens of seconds for a 100M-parameter model; later loads read the cache)."""
-    from tformer.interop.gguf import cache_folder, is_cached
+    from tformer.interop.gguf import cache_folder, has_gguf_magic, is_cached
 
-    file = Path(path)
-    if file.suffix == ".gguf" and file.is_file() and _gguf_magic(file) and not is_cached(file):
+    file = Path(path)  # a file that is not GGUF is refused by the loader, with nothing to note
+    if file.suffix == ".gguf" and file.is_file() and has_gguf_magic(file) and not is_cached(file):
         print(
             f"tformer {command}: converting {file.name} to safetensors (first use; cached in {cache_folder(file)})",
             file=sys.stderr,

@@ -33,15 +33,17 @@ def add_cli(subparsers) -> None:
 
 
 def _check_out(out: str) -> Path:
-    path = Path(out)
+    """``--out`` as a path a model directory or run can be made at, checked before any conversion work."""
+    from tformer.interop.hf import check_new_directory
+    from tformer.interop.keys import InteropError
+
     if not out:
         raise ValueError("--out must name a directory")
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(f"--out {out} already exists and is not an empty folder; choose another path or delete it")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is a file, so no folder can be made under it; choose another path")
-    return path
+    try:
+        check_new_directory(Path(out))
+    except InteropError as err:
+        raise ValueError(f"--out {err}") from None
+    return Path(out)
 
 
 def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:

@@ -236,6 +236,7 @@ def check(path: str | Path) -> None:
     bytes. What only loading finds (a damaged GGUF file, weights of the wrong shape) still fails in :func:`load`."""
     from tformer.config import TransformerConfig
     from tformer.interop import family_of, hf, is_pretrained
+    from tformer.interop.gguf import has_gguf_magic
     from tformer.training.checkpoint import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint
     from tformer.training.tokenizers import TOKENIZER_FILE
 
@@ -250,9 +251,7 @@ def check(path: str | Path) -> None:
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{directory / MANIFEST}: invalid model_config: {err}") from err
     elif p.is_file():
-        with p.open("rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
+        if not has_gguf_magic(p):
             raise ValueError(f"{p}: not a GGUF file (it does not begin with the bytes 'GGUF'); give a .gguf model file")
     else:
         config = hf.read_json(p / hf.CONFIG)

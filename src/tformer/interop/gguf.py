@@ -58,6 +58,19 @@ def permute(weight: Tensor, heads: int) -> Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+
+def has_gguf_magic(path: Path) -> bool:
+    """Whether the file ``path`` begins with GGUF's magic bytes: four bytes read, nothing parsed (``False`` for a
+    file that cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
 class GGUFFile:
     """The metadata and tensors of a GGUF file."""
 

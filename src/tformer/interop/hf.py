@@ -119,6 +119,16 @@ class UnwritableFolder(InteropError):
     """The folder a model directory was to be written in cannot be written (read-only, forbidden, not a folder)."""
 
 
+def check_new_directory(path: Path) -> None:
+    """``InteropError`` unless a model directory can be made at ``path``: it does not exist or is an empty folder,
+    and no file lies where a folder above it must be. Cheap: callers check before long work."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise InteropError(f"{path}: already exists and is not an empty folder; choose another path or delete it")
+    above = next((folder for folder in path.absolute().parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UnwritableFolder(f"{path}: {above} is a file, so no folder can be made under it; choose another path")
+
+
 def write_directory(
     path: Path,
     config: dict[str, Any],
@@ -131,11 +141,7 @@ def write_directory(
     the ``tokenizer_config.json`` to write beside ``tokenizer.json`` (special tokens, chat template)."""
     from safetensors.torch import save_file
 
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise InteropError(f"{path}: already exists and is not an empty folder; choose another path or delete it")
-    above = next((folder for folder in path.parents if folder.exists()), None)
-    if above is not None and not above.is_dir():
-        raise UnwritableFolder(f"{path}: {above} is a file, so no folder can be made under it; choose another path")
+    check_new_directory(path)
     tmp = path.parent / f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
