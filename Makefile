@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean browser
+.PHONY: demo test lint format clean browser
 
 $(STAMP): pyproject.toml constraints.txt models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -68,9 +68,9 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=12, help="bursts of 8 steps a process")
     parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16")
     argv = sys.argv[1:]
-    if "--" not in argv:
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
         parser.error('give the builds after "--": TFORMER_KERNEL_CFLAGS of each, "" for the default')
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     args.flags = argv[split + 1 :]
     if not args.flags:

@@ -10,7 +10,7 @@ Measured on :class:`tformer.DecoderLM` (``norm_first`` True = Pre-LN, False = Po
 matrices of the 2017 paper and of Xiong et al. (2020, "On Layer Normalization in the Transformer Architecture"):
 
 1. At initialization, the gradient norm of each block's FFN output matrix W_2 for a random next-token batch, at
-   several depths (as tests/test_layers.py; Xiong et al. Fig. 3): its growth from the bottom block to the top one,
+   several depths (as tests/core/test_layers.py; Xiong et al. Fig. 3): its growth from the bottom block to the top one,
    its max/min spread, and Post-LN's top-layer gradient over Pre-LN's.
 2. Training a small byte-level LM on the source text of Python's ``argparse`` module with :func:`tformer.train`
    (Adam, a constant learning rate, with or without a linear warmup) for both placements: the loss curves, as they
