@@ -284,7 +284,9 @@ def test_kill_9_at_random_moments_leaves_a_loadable_checkpoint(tmp_path):
             stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + 60
-        while (find_latest(out) is None or load_checkpoint(out).step <= last_step) and time.monotonic() < deadline:
+        # the step from the newest directory's name: loading it here would race the live run, which prunes old ones
+        while (latest := find_latest(out)) is None or int(latest.name.removeprefix("step-")) <= last_step:
+            assert time.monotonic() < deadline, "no new checkpoint within 60 s"
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.4))
