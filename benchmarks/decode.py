@@ -71,8 +71,8 @@ def first_call(run, new: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the SmolLM2 settings in turn; best kept")
+    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens a SmolLM2 run (greedy)")
     parser.add_argument("--demo-repeats", type=int, default=9, help="alternated runs of the demo model's settings")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: smollm, demo, batch, prefill")
     args = parser.parse_args()

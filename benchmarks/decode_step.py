@@ -99,7 +99,7 @@ def stepper(model, prompt: list[int], capacity: int, *, compile: bool, blocks: b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=40, help="rounds in which the settings take turns, a burst each")
     parser.add_argument("--steps", type=int, default=8, help="decode steps a burst")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens before the first step")
     args = parser.parse_args()

@@ -46,8 +46,8 @@ def pack(x: torch.Tensor, q: Int8Linear) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=7, help="passes over all matrices, order rotated; best kept")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows M of the input to time")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     if not kernels.ready():

@@ -16,11 +16,11 @@ Run:  OMP_NUM_THREADS=1 python benchmarks/generate.py   (needs the ``bench`` ext
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from collections.abc import Callable
 
 import torch
+from _common import cpu_model
 from torch import Tensor
 
 from tformer import DecoderLM, TransformerConfig
@@ -153,14 +153,14 @@ def _timed(run: Callable[[], object]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=65)
-    p.add_argument("--positions", type=int, default=256)
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--new", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--layers", type=int, default=4, help="blocks of both models")
+    p.add_argument("--heads", type=int, default=4, help="attention heads a block")
+    p.add_argument("--d-model", type=int, default=128, help="model width (d_ff is 4x)")
+    p.add_argument("--vocab", type=int, default=65, help="vocabulary size")
+    p.add_argument("--positions", type=int, default=256, help="learned positions")
+    p.add_argument("--prompt", type=int, default=16, help="random prompt tokens")
+    p.add_argument("--new", type=int, default=200, help="new tokens a run, greedy")
+    p.add_argument("--repeats", type=int, default=9, help="interleaved runs; the best of them is reported")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face (transformers not installed)")
     p.add_argument("--breakdown", action="store_true", help="only time one decode step three ways (see step_breakdown)")
@@ -219,7 +219,7 @@ def main() -> None:
         import transformers
 
         versions += f", transformers {transformers.__version__}"
-    print(f"{platform.machine()}, {torch.get_num_threads()} thread(s), {versions}")
+    print(f"CPU: {cpu_model()}; {torch.get_num_threads()} thread(s), {versions}")
     print(f"batch 1, prompt {args.prompt}, {n} new tokens, greedy; best of {args.repeats} interleaved runs\n")
     print("| run | tokens/s | ms/token | vs its HF run |")
     print("|---|---:|---:|---:|")

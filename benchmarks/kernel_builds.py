@@ -64,9 +64,9 @@ print(statistics.median(shares))
 def main() -> None:
     usage = "%(prog)s [options] -- FLAGS [FLAGS ...]"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds in which the builds take turns, a process each")
     parser.add_argument("--bursts", type=int, default=12, help="bursts of 8 steps a process")
-    parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16")
+    parser.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16", help="the weights' dtype")
     argv = sys.argv[1:]
     if "--" not in argv and not {"-h", "--help"} & set(argv):
         parser.error('give the builds after "--": TFORMER_KERNEL_CFLAGS of each, "" for the default')

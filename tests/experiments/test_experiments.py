@@ -136,7 +136,7 @@ def test_masking_before_softmax_never_leaks_after_softmax_does():
 def test_layernorm_gradients_at_init_have_the_documented_direction():
     r = layernorm.run(depths=(6, 12), train_depths=(2,), steps=15, warmup_steps=5)
     assert all(len(r.grad_norms[p][d]) == d for p in ("Pre-LN", "Post-LN") for d in (6, 12))
-    # as measured in tests/test_layers.py at 12 layers: Post-LN ~1.7, Pre-LN ~0.43, top-layer ratio ~6.6
+    # as measured in tests/core/test_layers.py at 12 layers: Post-LN ~1.7, Pre-LN ~0.43, top-layer ratio ~6.6
     assert r.top_over_bottom("Post-LN", 12) > 1.3
     assert r.top_over_bottom("Pre-LN", 12) < 0.8
     assert r.post_over_pre_top(12) > 3

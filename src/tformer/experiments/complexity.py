@@ -63,13 +63,13 @@ class ComplexityResult:
     notes: list[str] = field(default_factory=list)
 
     def score_matrix_mib(self, n: int) -> float:
-        """Size of one float32 ``(B, H, n, n)`` score matrix."""
+        """Size of one float32 ``(B, H, n, n)`` score tensor: every head's n x n scores of the whole batch."""
         return self.batch * self.heads * n * n * 4 / MIB
 
     def tables(self) -> list[Table]:
         backends = list(self.seconds)
         columns = ["n", *(f"{b} time (ms)" for b in backends), *(f"{b} peak (MiB)" for b in backends)]
-        columns.append("one n x n matrix (MiB)")
+        columns.append("one (B, H, n, n) score tensor (MiB)")
         rows = [
             (
                 str(n),
@@ -103,11 +103,11 @@ class ComplexityResult:
         n, i = self.sizes[-1], len(self.sizes) - 1
         peaks = ", ".join(f"{b} {fmt(self.peak_mib[b][i])} MiB" for b in self.peak_mib)
         lines.append(
-            f"at n = {n}: {peaks}; one n x n float32 score matrix is {fmt(self.score_matrix_mib(n))} MiB "
+            f"at n = {n}: {peaks}; one (B, H, n, n) float32 score tensor is {fmt(self.score_matrix_mib(n))} MiB "
             f"and the output {fmt(self.batch * self.heads * n * self.head_dim * 4 / MIB)} MiB"
         )
         ratios = ", ".join(f"{b} {self.peak_mib[b][i] / self.score_matrix_mib(n):.3g}" for b in self.peak_mib)
-        lines.append(f"peak memory in units of one n x n matrix at n = {n}: {ratios}")
+        lines.append(f"peak memory in units of one (B, H, n, n) score tensor at n = {n}: {ratios}")
         tiled = [b for b in self.memory_exponent if b != "reference"]
         if tiled:
             lines.append(
@@ -127,9 +127,8 @@ class ComplexityResult:
             for b, values in data.items():
                 ax.loglog(self.sizes, values, "o-", label=f"{b}: n^{exps[b]:.2f}")
             if label.startswith("peak"):
-                ax.loglog(
-                    self.sizes, [self.score_matrix_mib(n) for n in self.sizes], "k:", lw=1, label="one n x n matrix"
-                )
+                scores = [self.score_matrix_mib(n) for n in self.sizes]
+                ax.loglog(self.sizes, scores, "k:", lw=1, label="one (B, H, n, n) score tensor")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length n")
             ax.set_ylabel(label)

@@ -219,7 +219,7 @@ class LayerNormResult:
                     f"final (mean of last {max(1, self.steps // 10)})",
                 ),
                 tuple(train_rows),
-                f"Character LM on argparse.py, {self.steps} steps, Adam lr {self.lr:g}",
+                f"Byte-level LM on argparse.py, {self.steps} steps, Adam lr {self.lr:g}",
             ),
         ]
 
@@ -280,7 +280,7 @@ class LayerNormResult:
         ax.set_xlabel("block (1 = bottom)")
         ax.set_ylabel("||dL/dW_2|| at init")
         ax.set_title("Q3(b): gradients at initialization", fontsize=9)
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below: inside, it hid curves
         ax.grid(True, which="both", alpha=0.3)
         for ax, depth in zip(axes[0, 1:], self.train_depths, strict=True):
             for (placement, warm, d), curve in self.curves.items():

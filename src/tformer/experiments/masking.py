@@ -7,9 +7,10 @@ future tokens, so probabilities would not sum to 1 and would leak information ab
 Measured on the source's ``causal_self_attention(X, Wq, Wk, Wv)`` written with tformer's functions, float64:
 the row sums of the weights, and the leakage: replace the token at position p by a fresh random one and take the
 largest change of the outputs at positions t < p, over all p (0 means position t sees nothing after it). The
-library's own causal paths (``scaled_dot_product_attention(is_causal=True)`` on each backend and
-``MultiHeadAttention``) are measured the same way. A third variant, zeroing after the softmax and then
-renormalising, shows that the leak is the denominator: the rows sum to 1 again and the leak falls to rounding.
+library's own causal paths (``scaled_dot_product_attention(is_causal=True)`` on each CPU backend, ``reference``,
+``sdpa`` and ``tiled``, and ``MultiHeadAttention``) are measured the same way. A third variant, zeroing after the
+softmax and then renormalising, shows that the leak is the denominator: the rows sum to 1 again and the leak falls to
+rounding.
 
 Shapes: T, C, D (the package legend, :mod:`tformer`).
 """
@@ -152,7 +153,7 @@ def run(seq_len: int = 8, d_model: int = 16, seed: int = 0) -> MaskingResult:
     variants: dict[str, Callable[[Tensor], Tensor]] = {
         name: (lambda t, name=name: causal_self_attention(t, wq, wk, wv, name)[0]) for name in (BEFORE, AFTER, RENORM)
     }
-    for backend in ("reference", "sdpa"):
+    for backend in ("reference", "sdpa", "tiled"):  # triton needs a GPU
         variants[f"library: scaled_dot_product_attention({backend}, is_causal)"] = lambda t, backend=backend: (
             scaled_dot_product_attention(t @ wq, t @ wk, t @ wv, is_causal=True, backend=backend)
         )

@@ -222,7 +222,7 @@ def _method(module: ModuleType) -> str:
     paragraphs = doc.split("\n\n")
     start = next((i for i, p in enumerate(paragraphs) if p.startswith("Measured")), len(paragraphs))
     text = "\n\n".join(p for p in paragraphs[start:] if not p.startswith("Shapes:"))  # the legend is for code
-    text = re.sub(r":(?:func|class|mod|meth):`~?([^`]+)`", r"`\1`", text)
+    text = re.sub(r":(?:func|class|mod|meth|data|attr|obj):`~?([^`]+)`", r"`\1`", text)
     return text.replace("``", "`")
 
 
