@@ -62,6 +62,19 @@ def test_seed_claims_are_the_source_documents_four_and_pass_via_the_api():
     assert [(r.index, r.status, r.message) for r in results] == [(i, "PASS", "") for i in range(4)]
 
 
+def test_the_seed_variance_claim_fails_when_its_claim_or_its_assumption_changes():
+    """The check derives Var(q.k) from the moments; it is not true whatever the claimed value (no tautology)."""
+    code = builtin_claims("seed")[0].code
+    assert "mean, claimed = 0, dk" in code
+    mutants = [
+        code.replace("mean, claimed = 0, dk", "mean, claimed = 0, 2*dk"),  # a wrong variance
+        code.replace("mean, claimed = 0, dk", "mean, claimed = 1, dk"),  # drop "zero-mean": it is 3 d_k then
+        code.replace("mean, claimed = 0, dk", "mean, claimed = 1, 3*dk"),  # ... as the same derivation finds
+    ]
+    results = check_claims(batch(mutants), timeout_s=20, jobs=2)
+    assert [(r.status, r.message) for r in results] == [("FAIL", ""), ("FAIL", ""), ("PASS", "")]
+
+
 @pytest.mark.slow
 def test_seed_claims_pass_via_python_m_tformer_claims():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), os.environ.get("PYTHONPATH", "")])}
@@ -124,6 +137,22 @@ def test_policy_rejections_happen_before_anything_runs():
     assert result.status == "ERROR"
     assert result.message.startswith("rejected before running:") and "import" in result.message
     assert result.seconds == 0.0
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("print = 1", "line 1: 'print' cannot be assigned in claims: it is the print function"),
+        ("x = 1\ndef printed():\n    return 1", "line 2: 'printed' cannot be assigned in claims: it holds what"),
+        ("f = lambda builtins: 1", "line 1: 'builtins' cannot be assigned in claims: the name is reserved"),
+        ("x__roles__ = 1", 'line 1: "x__roles__" is an invalid variable name'),  # RestrictedPython's own check
+    ],
+)
+def test_reserved_names_are_rejected_in_the_style_of_the_other_policy_messages(code, message):
+    with pytest.raises(_claim_worker.PolicyError) as excinfo:
+        _claim_worker.check_source(code + "\nresult = True")
+    assert str(excinfo.value).startswith(message)
+    assert "Line " not in str(excinfo.value)
 
 
 # --------------------------------------------------------------------------- hostile snippets
@@ -316,6 +345,35 @@ def test_unusable_input_exits_2_with_a_message_naming_the_problem(tmp_path, caps
         assert fragment in captured.err
     with pytest.raises(ClaimsInputError):
         load_claims(path)
+
+
+def test_claims_files_and_stdin_with_a_utf8_byte_order_mark_verify(tmp_path, monkeypatch, capsys):
+    text = json.dumps([{"claim": "with a BOM", "code": BENIGN}])
+    path = tmp_path / "notepad.json"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert load_claims(path) == load_claims("\ufeff" + text) == [Claim("with a BOM", BENIGN, 0)]
+    assert main([str(path), "--timeout", "20"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding="latin-1"))
+    assert main(["-", "--timeout", "20"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_json_results_mark_output_cut_at_the_limit(tmp_path, capsys):
+    limit = _claim_worker.MAX_OUTPUT_CHARS
+    path = write_claims(
+        tmp_path / "chatty.json",
+        [
+            {"claim": "long", "code": f"print('x' * {limit + 500})\nresult = True"},
+            {"claim": "short", "code": "print('hello')\nresult = True"},
+        ],
+    )
+    assert main([path, "--json", "--jobs", "2", "--timeout", "20"]) == 0
+    long, short = json.loads(capsys.readouterr().out)["results"]
+    assert long["output_truncated"] is True
+    assert long["output"] == "x" * limit + f"\n... [output cut at {limit} characters]"
+    assert short["output_truncated"] is False
+    assert short["output"] == "hello\n"
 
 
 def test_an_empty_claims_list_on_stdin_exits_2(monkeypatch, capsys):

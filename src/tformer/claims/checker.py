@@ -51,14 +51,20 @@ class Claim:
 
 @dataclass(frozen=True)
 class ClaimResult:
-    """The verdict on one claim. ``seconds`` is the snippet's own run time (0 if it never started)."""
+    """The verdict on one claim. ``seconds`` is the snippet's own run time (0 if it never started).
+
+    ``output`` is what the snippet printed (``print(...)``), at most ``MAX_OUTPUT_CHARS`` (4,000) characters of
+    it: when it printed more, ``output_truncated`` is true and ``output`` ends with the marker
+    ``"\\n... [output cut at 4000 characters]"``.
+    """
 
     index: int
     claim: str
     status: Status
     seconds: float
     message: str = ""
-    output: str = ""  # what the snippet printed, truncated
+    output: str = ""
+    output_truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -112,28 +118,35 @@ def parse_claims(data: object, source: str = "<claims>") -> list[Claim]:
     return claims
 
 
+def parse_claims_text(text: str, source: str = "<claims text>") -> list[Claim]:
+    """Decode JSON claims text (a leading byte-order mark is ignored) and validate it (see :func:`parse_claims`)."""
+    try:
+        data = json.loads(text.removeprefix("\ufeff"))
+    except json.JSONDecodeError as exc:
+        raise ClaimsInputError(
+            f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from None
+    return parse_claims(data, source)
+
+
 def load_claims(source: str | os.PathLike[str]) -> list[Claim]:
     """Load claims from a path, or from JSON text (a ``str`` whose first non-blank character is ``[`` or ``{``).
 
-    Raises :class:`ClaimsInputError` naming the file, the line and column of malformed JSON, or the index
-    of a bad entry.
+    Files are read as UTF-8, with or without a byte-order mark (Windows Notepad writes one). Raises
+    :class:`ClaimsInputError` naming the file, the line and column of malformed JSON, or the index of a
+    bad entry.
     """
-    if isinstance(source, str) and source.lstrip()[:1] in ("[", "{"):
-        text, name = source, "<claims text>"
-    else:
-        path = Path(source)
-        name = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ClaimsInputError(f"claims file not found: {name}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ClaimsInputError(f"cannot read claims file {name}: {exc}") from None
+    if isinstance(source, str) and source.removeprefix("\ufeff").lstrip()[:1] in ("[", "{"):
+        return parse_claims_text(source)
+    path = Path(source)
+    name = str(path)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ClaimsInputError(f"{name}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    return parse_claims(data, name)
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ClaimsInputError(f"claims file not found: {name}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClaimsInputError(f"cannot read claims file {name}: {exc}") from None
+    return parse_claims_text(text, name)
 
 
 def builtin_claims(name: str) -> list[Claim]:
@@ -218,8 +231,10 @@ def _exchange(proc: subprocess.Popen[bytes], request: bytes, limits: Limits) -> 
 
 
 def _run_worker(claim: Claim, limits: Limits) -> ClaimResult:
-    def verdict(status: Status, message: str, seconds: float = 0.0, output: str = "") -> ClaimResult:
-        return ClaimResult(claim.index, claim.claim, status, round(seconds, 4), message, output)
+    def verdict(
+        status: Status, message: str, seconds: float = 0.0, output: str = "", output_truncated: bool = False
+    ) -> ClaimResult:
+        return ClaimResult(claim.index, claim.claim, status, round(seconds, 4), message, output, output_truncated)
 
     filename = f"<claim {claim.index}>"
     try:
@@ -270,6 +285,7 @@ def _run_worker(claim: Claim, limits: Limits) -> ClaimResult:
                 str(reply.get("message", "")),
                 float(reply.get("seconds", elapsed)),
                 str(reply.get("output", "")),
+                reply.get("output_truncated") is True,
             )
     if exchange.started_at is not None and returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         how = _describe_exit(returncode)

@@ -14,10 +14,11 @@ a snippet and the machine; each is meant to hold on its own, and none is claimed
    without being run, if it imports anything, uses a name or attribute starting with ``_``, names a
    forbidden builtin (``open``, ``eval``, ``exec``, ``getattr``, ``type``, ...) or a string-evaluating
    sympy function (``sympify``, ``lambdify``, ...), touches a frame/code/generator attribute (``gi_frame``,
-   ``f_globals``, ``mro``, ``format``, ...), assigns attributes, defines classes, or reads a name that is
-   neither assigned in the snippet nor on the allow-list. It is then compiled by RestrictedPython's
-   ``compile_restricted``, which rewrites every attribute access, subscript, iteration, unpacking and
-   in-place operator into a call to a guard; on top of that every call result goes through ``_checked_``.
+   ``f_globals``, ``mro``, ``format``, ...), assigns attributes or a reserved name (``print``, ``printed``),
+   defines classes, or reads a name that is neither assigned in the snippet nor on the allow-list. It is
+   then compiled by RestrictedPython's ``compile_restricted``, which rewrites every attribute access,
+   subscript, iteration, unpacking and in-place operator into a call to a guard; on top of that every call
+   result goes through ``_checked_``.
 2. Restricted namespace (:func:`build_globals`). ``__builtins__`` holds only an allow-list (``range``,
    ``len``, ``sum``, ...) and the globals an explicit allow-list of sympy math names (:data:`SYMPY_NAMES`),
    never ``from sympy import *``. The guards refuse underscore attributes and ``str.format`` (which can
@@ -46,7 +47,9 @@ or in a container, if that matters to you.
 
 Protocol: request ``{"code", "filename", "cpu_s", "memory_mb"}`` on stdin; replies, one JSON object per
 line on stdout: ``{"event": "ready"}`` when the snippet is about to start (the parent's wall clock starts
-there), then ``{"event": "result", "status", "message", "seconds", "output"}``.
+there), then ``{"event": "result", "status", "message", "seconds", "output", "output_truncated"}``. ``output`` is what
+the snippet printed; past :data:`MAX_OUTPUT_CHARS` characters it is cut, ends with :data:`OUTPUT_CUT_MARKER`
+and ``output_truncated`` is true.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ from RestrictedPython.transformer import INSPECT_ATTRIBUTES, RestrictingNodeTran
 MAX_CODE_CHARS = 100_000
 MAX_MESSAGE_CHARS = 2_000
 MAX_OUTPUT_CHARS = 4_000
+# Ends a snippet's printed output that was cut at MAX_OUTPUT_CHARS (the reply also says "output_truncated": true).
+OUTPUT_CUT_MARKER = f"\n... [output cut at {MAX_OUTPUT_CHARS} characters]"
 
 
 def _names(words: str) -> frozenset[str]:
@@ -154,6 +159,14 @@ FORBIDDEN_NAMES: dict[str, str] = {
     "pprint": "claims report through `result`, not through printing",
 }
 
+# Names a snippet may read but never assign (RestrictedPython reserves them too: print goes to `printed`).
+RESERVED_NAMES: dict[str, str] = {
+    "print": "it is the print function (what it prints is collected in `printed`)",
+    "printed": "it holds what the code printed",
+    "builtins": "the name is reserved",
+    "breakpoint": "the name is reserved",
+}
+
 # Attribute names refused on every object, on top of any name starting with "_".
 FORBIDDEN_ATTRIBUTES: frozenset[str] = INSPECT_ATTRIBUTES | _names(
     """
@@ -189,6 +202,13 @@ class _PolicyChecker(ast.NodeVisitor):
         if name.startswith("_") and name != "_":
             self.flag(node, f"names starting with '_' are not allowed ({name!r})")
 
+    def bind(self, node: ast.AST, name: str) -> None:
+        """``name`` is assigned, deleted or defined here (a variable, function, argument or ``except`` name)."""
+        self.check_name(node, name)
+        if name in RESERVED_NAMES:
+            self.flag(node, f"{name!r} cannot be assigned in claims: {RESERVED_NAMES[name]}")
+        self.bound.add(name)
+
     def visit_Import(self, node: ast.Import | ast.ImportFrom) -> None:
         self.flag(node, "import statements are not allowed; the allowed sympy names are already in scope")
 
@@ -208,11 +228,11 @@ class _PolicyChecker(ast.NodeVisitor):
     visit_YieldFrom = visit_Await = visit_AsyncFunctionDef = visit_AsyncFor = visit_AsyncWith = visit_Yield
 
     def visit_Name(self, node: ast.Name) -> None:
-        self.check_name(node, node.id)
         if isinstance(node.ctx, ast.Load):
+            self.check_name(node, node.id)
             self.loaded.setdefault(node.id, node.lineno)
         else:
-            self.bound.add(node.id)
+            self.bind(node, node.id)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if node.attr.startswith("_"):
@@ -224,18 +244,15 @@ class _PolicyChecker(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
-        self.check_name(node, node.name)
-        self.bound.add(node.name)
+        self.bind(node, node.name)
         self.generic_visit(node)
 
     def visit_arg(self, node: ast.arg) -> None:
-        self.check_name(node, node.arg)
-        self.bound.add(node.arg)
+        self.bind(node, node.arg)
 
     def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
         if node.name:
-            self.check_name(node, node.name)
-            self.bound.add(node.name)
+            self.bind(node, node.name)
         self.generic_visit(node)
 
     def unknown_names(self) -> list[str]:
@@ -297,7 +314,9 @@ def check_source(code: str, filename: str = "<claim>") -> types.CodeType:
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise PolicyError(f"cannot compile the code: {type(exc).__name__}: {exc}") from None
     if compiled.errors or compiled.code is None:
-        raise PolicyError("; ".join(compiled.errors) or "RestrictedPython refused the code")
+        # RestrictedPython writes "Line 3: ..."; ours read "line 3: ..."
+        errors = [error[:1].lower() + error[1:] if error.startswith("Line ") else error for error in compiled.errors]
+        raise PolicyError("; ".join(errors) or "RestrictedPython refused the code")
     return compiled.code
 
 
@@ -606,13 +625,15 @@ def run_snippet(request: dict[str, Any], send: Callable[[dict[str, Any]], None])
     """Check, limit, run and judge one snippet; report through ``send`` (``ready``, then ``result``)."""
 
     def result(status: str, message: str, seconds: float = 0.0, output: str = "") -> None:
+        cut = len(output) > MAX_OUTPUT_CHARS
         send(
             {
                 "event": "result",
                 "status": status,
                 "message": message[:MAX_MESSAGE_CHARS],
                 "seconds": seconds,
-                "output": output[:MAX_OUTPUT_CHARS],
+                "output": output[:MAX_OUTPUT_CHARS] + OUTPUT_CUT_MARKER if cut else output,
+                "output_truncated": cut,
             }
         )
 

@@ -23,7 +23,7 @@ from tformer.claims.checker import (
     iter_check_claims,
     load_claims,
     make_limits,
-    parse_claims,
+    parse_claims_text,
     summarize,
     summary_line,
 )
@@ -75,14 +75,19 @@ def _claims_from_args(args: argparse.Namespace) -> list[Claim]:
     if args.builtin is not None:
         return builtin_claims(args.builtin)
     if args.file == "-":
-        text = sys.stdin.read()
-        try:
-            return parse_claims(json.loads(text), "<stdin>")
-        except json.JSONDecodeError as exc:
-            raise ClaimsInputError(
-                f"<stdin>: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-            ) from None
+        return parse_claims_text(_read_stdin(), "<stdin>")
     return load_claims(Path(args.file))
+
+
+def _read_stdin() -> str:
+    """Standard input as UTF-8, with or without a byte-order mark, whatever the locale's encoding."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text stream without bytes underneath (io.StringIO); parse_claims_text drops a BOM
+        return sys.stdin.read()
+    try:
+        return stream.read().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ClaimsInputError(f"cannot read <stdin>: {exc}") from None
 
 
 def run_cli(args: argparse.Namespace) -> int:
