@@ -538,3 +538,38 @@ def test_cli_sample_compile_on_gives_the_eager_text_and_reports_the_compile(lm_r
     assert "compiled" not in capsys.readouterr().err
     assert main([*args[:-1], "0", "--compile", "on"]) == 0  # nothing decoded: nothing compiled to report
     assert capsys.readouterr() == ("abc\n", "")
+
+
+def test_cli_sample_compile_on_names_the_longest_max_new_tokens_that_fits(lm_run, capsys):
+    """A static cache (compiled decoding) holds the whole sequence in the 40 learned positions: the error names
+    the longest --max-new-tokens that fits, or the default cache; nothing is printed before it, not even the note
+    that a long prompt is cropped (compiled decoding does not crop it)."""
+    args = ["sample", "--checkpoint", str(lm_run), "--greedy", "--compile", "on"]
+    assert main([*args, "--prompt", "abc", "--max-new-tokens", "50"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (
+        "tformer sample: error: a static cache holds the whole sequence: prompt 3 + max_new_tokens 50 exceeds the "
+        "model's 40 learned positions; lower max_new_tokens to <= 37 (--max-new-tokens), or decode on the default "
+        "cache, which slides a window (static_cache=False and compile=False; tformer sample --compile off)\n"
+    )
+    assert main([*args, "--prompt", "x" * 60, "--max-new-tokens", "5"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(
+        "tformer sample: error: a static cache holds the whole sequence, and the prompt's 60 tokens already fill "
+    )
+
+
+@pytest.mark.slow
+def test_cli_sample_compile_auto_falls_back_where_a_static_cache_cannot_hold_the_sequence(lm_run, capsys, monkeypatch):
+    """Where ``auto`` compiles (CUDA; the CPU stands in for it here), a sequence longer than the 40 learned
+    positions decodes uncompiled over the sliding window, as ``--compile off`` does; one that fits compiles."""
+    from tformer.generation import static
+
+    monkeypatch.setattr(static, "AUTO_COMPILE_DEVICES", ("cpu",))
+    args = ["sample", "--checkpoint", str(lm_run), "--prompt", "abc", "--greedy"]
+    for new, compiles in (("50", False), ("10", True)):
+        assert main([*args, "--max-new-tokens", new, "--compile", "off"]) == 0
+        eager = capsys.readouterr()
+        assert main([*args, "--max-new-tokens", new, "--compile", "auto"]) == 0
+        auto = capsys.readouterr()
+        assert auto.out == eager.out and ("compiled decoding (prefill" in auto.err) == compiles

@@ -195,5 +195,6 @@ def test_sample_decodes_over_a_static_cache_exactly_where_blocks_fuse():
     assert auto_static_cache(llama(), length=64) and not auto_static_cache(llama(), length=65)  # its max_seq_len
     assert auto_static_cache(quantize(llama().bfloat16()))
     assert not auto_static_cache(DecoderLM(TransformerConfig.tiny()))  # GPT-style: LayerNorm, a plain feed-forward
+    assert not auto_static_cache(llama().half())  # float16: no kernel runs its blocks (fused.plan)
     with kernels.enabled(False):
         assert not auto_static_cache(llama())

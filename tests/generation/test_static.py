@@ -133,3 +133,55 @@ def test_compiled_steps_through_dynamo_leave_no_reference_to_the_cache(random_lm
         for _ in range(4):
             token = lm.step(token).argmax(-1)
             assert lm.replay is None and lm.recorder.last is None
+
+
+def test_a_static_cache_names_the_longest_max_new_tokens_that_fits(random_lm):
+    model = random_lm(position="learned", max_seq_len=16)
+    with pytest.raises(ValueError, match=r"lower max_new_tokens to <= 13 \(--max-new-tokens\)"):
+        generate(model, [[1, 2, 3]], max_new_tokens=14, static_cache=True)
+    assert len(generate(model, [[1, 2, 3]], max_new_tokens=13, static_cache=True)[0]) == 13  # the bound named fits
+    with pytest.raises(ValueError, match="the prompt's 16 tokens already fill the model's 16 learned positions"):
+        generate(model, [list(range(16))], max_new_tokens=1, compile=True)
+
+
+def test_auto_compiles_only_where_the_sequence_fits_a_static_cache(random_lm, monkeypatch):
+    """``auto_compile`` on a device it compiles on (CUDA; here the CPU stands in for it): a model with learned
+    positions compiles only when prompt + new tokens fit its ``max_seq_len``, else it decodes over the growing
+    cache, which slides its window (compile=True there is an error)."""
+    from tformer.generation import static
+
+    learned, rotary = random_lm(position="learned", max_seq_len=16), random_lm(max_seq_len=16)
+    assert not static.auto_compile(learned, 10) and not static.auto_compile(rotary, 10)  # the CPU: never
+    monkeypatch.setattr(static, "AUTO_COMPILE_DEVICES", ("cpu",))
+    assert static.auto_compile(learned, 16) and not static.auto_compile(learned, 17)
+    assert static.auto_compile(rotary, 17) and static.auto_compile(rotary, 10_000)  # no window: any length fits
+
+
+@pytest.mark.slow
+def test_compiling_a_model_does_not_keep_it_alive(random_lm, random_prompts):
+    """The compiled function takes the model as an argument: once the caller drops a compiled model, nothing of
+    tformer's (or dynamo's graphs, which take the weights as inputs) keeps it, and its memory is freed."""
+    import gc
+    import weakref
+
+    model = random_lm()
+    generate(model, random_prompts([3]), max_new_tokens=4, greedy=True, compile=True)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.slow
+def test_past_dynamos_recompile_limit_the_error_names_the_fix(random_lm, random_prompts, monkeypatch):
+    """With room for one graph (the limit lowered from RECOMPILE_LIMIT), a compiled generation, which needs two
+    (prefill and step), fails with the cause and ``torch._dynamo.reset()``, not dynamo's bare limit error."""
+    from tformer.generation import static
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(static, "RECOMPILE_LIMIT", 1)
+    model = random_lm()
+    expected = r"at most 1 graphs.*batch size and shape bucket.*torch\._dynamo\.reset\(\)"
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(RuntimeError, match=expected):
+        generate(model, random_prompts([3]), max_new_tokens=4, greedy=True, compile=True)
+    torch._dynamo.reset()  # the next test's graphs start from nothing

@@ -65,7 +65,8 @@ def add_cli(subparsers) -> None:
         default="auto",
         help="torch.compile the decode step over a static cache: the same function (float32: the same tokens; in "
         "bfloat16 and float16 the compiled kernels round differently, so a near tie can pick another token). auto: "
-        "on CUDA yes, on the CPU no (there the compile costs minutes; tformer.generation.static.auto_compile gives "
+        "on CUDA yes when the prompt and --max-new-tokens fit a static cache (learned positions: the model's "
+        "max_seq_len), on the CPU no (there the compile costs minutes; tformer.generation.static.auto_compile gives "
         "the measured rule). Not compiled, a Llama-style model on the CPU decodes over a static cache, each block one "
         "kernel call, when the prompt and --max-new-tokens fit its trained context (else the growing cache, whose "
         "memory follows the tokens made; tformer.generation.static.auto_static_cache)",
@@ -96,7 +97,7 @@ def _run_sample(args: argparse.Namespace) -> int:
             _check_utf8(args.system, "--system")
         loaded = load_model(args.checkpoint, "lm", args.device, "sample", args.dtype)
         apply_quantize(loaded.model, args.quantize)
-        from tformer.generation.static import LAST_TIMINGS, auto_compile
+        from tformer.generation.static import LAST_TIMINGS
 
         prompt = args.prompt
         if args.chat:
@@ -104,8 +105,6 @@ def _run_sample(args: argparse.Namespace) -> int:
 
             system = [] if args.system is None else [{"role": "system", "content": args.system}]
             prompt = chat_prompt(loaded.tokenizer, [*system, {"role": "user", "content": args.prompt}])
-        device = next(loaded.model.parameters()).device
-        compiled = args.compile == "on" or (args.compile == "auto" and auto_compile(device))
         LAST_TIMINGS.clear()  # the timings of this call's decoding, if it compiles one
         sample_to(
             sys.stdout,
@@ -122,11 +121,11 @@ def _run_sample(args: argparse.Namespace) -> int:
             greedy=args.greedy,
             seed=args.seed,
             stop=args.stop or None,
-            compile=compiled,
-            static_cache=False if compiled else None,  # compiled decoding has a static cache; else the rule
+            compile=None if args.compile == "auto" else args.compile == "on",  # None: the rules of auto_compile
+            static_cache=None,  # and, not compiled, of auto_static_cache
             note=lambda message: print(f"tformer sample: note: {message}", file=sys.stderr),
         )
-        if compiled and LAST_TIMINGS:  # empty when nothing ran (--max-new-tokens 0)
+        if LAST_TIMINGS:  # empty when nothing was compiled, or nothing ran (--max-new-tokens 0)
             times = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in LAST_TIMINGS.items())
             print(f"tformer sample: compiled decoding ({times}, compilation included)", file=sys.stderr)
         return 0

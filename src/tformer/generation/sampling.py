@@ -396,7 +396,9 @@ def generate(
             (:mod:`tformer.generation.static`): the same tokens, every step the same shapes. With learned positions
             the whole sequence must fit ``max_seq_len`` (no sliding window).
         compile: run prefill and steps through ``torch.compile`` over a static cache, compiled once per shape
-            bucket (prompt and capacity rounded up to 64); ``tformer.generation.static.LAST_TIMINGS`` holds the
+            bucket (batch size, dtype, and prompt and capacity rounded up to 64: two graphs, prefill and step);
+            dynamo keeps at most ``tformer.generation.static.RECOMPILE_LIMIT`` graphs per process, past which a
+            ``RuntimeError`` names ``torch._dynamo.reset()``. ``tformer.generation.static.LAST_TIMINGS`` holds the
             wall time of the first prefill and step, compilation included.
         on_token: ``on_token(row, token_id)`` is called for each output token, in order, as soon as no stop
             can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the

@@ -6,8 +6,11 @@ writes its token's keys and values at column ``slot`` (a one-element tensor upda
 in the key mask ``(B, capacity)`` and passes each row's position ``(B, 1)``; none of these is a Python number the
 graph could specialise on. With ``compile=True`` the prompt is also left-padded to a multiple of :data:`BUCKET`
 tokens and the capacity rounded up to one, so prompts and lengths within a bucket share their graphs (prefill and
-step): "compiled once per shape bucket". The compiled model is kept per model (a weak reference), so later calls of
-the same bucket reuse it.
+step): "compiled once per shape bucket". What is compiled is one function that calls the model it is given
+(:func:`compiled_forward`), so dynamo's graphs take the weights as inputs and keep no model alive: a model deleted
+is freed, and later calls of a bucket reuse its graphs. The batch size and the dtype are part of the shape too.
+Dynamo keeps at most :data:`RECOMPILE_LIMIT` graphs of that function per process (two per model dtype x batch size
+x bucket; models of one structure share them); past it a ``RuntimeError`` names the fix, ``torch._dynamo.reset()``.
 
 On CUDA the step runs with ``mode="reduce-overhead"`` (CUDA graphs: one launch per step). On the CPU it runs
 inductor's C++ kernels (fused element-wise work) without inductor's per-call checks of its inputs' sizes and
@@ -26,10 +29,10 @@ Shapes: B, P, S, V (the package legend, :mod:`tformer`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
-import weakref
 
 import torch
 from torch import Tensor
@@ -39,30 +42,46 @@ from tformer.generation.sampling import context_window
 from tformer.models import DecoderLM
 
 BUCKET = 64  # prompt lengths and capacities are rounded up to a multiple of this when compiling
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled forward
-_RECORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the _Recorder its CPU graphs report to
-# wall seconds of the last static generation's prefill and first step: with compile=True the compilation is in them
+# wall seconds of the last compiled generation's prefill and first step, the compilation in them
 LAST_TIMINGS: dict[str, float] = {}
 
 
 REPLAY = True  # False: every compiled CPU step goes through dynamo (benchmarks/decode.py measures the difference)
-RECOMPILE_LIMIT = 64  # graphs of DecoderLM.forward dynamo keeps: one per model x bucket x (prefill, step)
+RECOMPILE_LIMIT = 64  # graphs of the compiled decode function dynamo keeps: 2 per model dtype x batch x bucket
+AUTO_COMPILE_DEVICES = ("cuda",)  # where --compile auto compiles (auto_compile says why)
+
+
+def _call(model: DecoderLM, *args):
+    return model(*args)
 
 
 def compiled_forward(model: DecoderLM):
-    """``torch.compile`` of ``model``'s forward, made once per model. Every model and shape bucket is a graph of the
-    same code object (``DecoderLM.forward``), so dynamo's recompile limit (8 by default, for the whole process) is
-    raised to :data:`RECOMPILE_LIMIT`: a benchmark of two models at two lengths already needs 6."""
+    """``model``'s forward through ``torch.compile``: a compiled function that calls the model it is given, made once
+    per device kind. The model is the function's argument, not something the compiled object holds, so compiling a
+    model does not keep it alive (``torch.compile(model)`` in a table would: the compiled module holds its model).
+    Every model, dtype, batch size and shape bucket is a graph of this one function, so dynamo's recompile limit
+    (8 by default, for the whole process) is raised to :data:`RECOMPILE_LIMIT`."""
     kernels.ready()  # build or load the bfloat16 kernel now: a graph being traced does not build it
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    if model not in _COMPILED:
-        if next(model.parameters()).device.type == "cuda":
-            _COMPILED[model] = torch.compile(model, mode="reduce-overhead", dynamic=False, fullgraph=True)
+    kind = next(model.parameters()).device.type
+    if kind not in _COMPILED:
+        if kind == "cuda":
+            _COMPILED[kind] = torch.compile(_call, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:  # the step's Python wrapper runs per token: skip its input-stride asserts (dynamo's guards hold them)
-            _RECORDERS[model] = recorder = _Recorder({"size_asserts": False})
-            _COMPILED[model] = torch.compile(model, backend=recorder, dynamic=False, fullgraph=True)
-    return _COMPILED[model]
+            _COMPILED[kind] = torch.compile(_call, backend=RECORDER, dynamic=False, fullgraph=True)
+    return functools.partial(_COMPILED[kind], model)
+
+
+def _recompile_limit_error() -> RuntimeError:
+    limit = torch._dynamo.config.recompile_limit
+    return RuntimeError(
+        f"torch.compile keeps at most {limit} graphs of compiled decoding per process (torch._dynamo.config."
+        "recompile_limit), and this generation needs another: each model dtype, batch size and shape bucket (prompt "
+        f"and capacity rounded up to {BUCKET} tokens) takes two. Free them with torch._dynamo.reset() (later calls "
+        "compile again), raise the limit, or decode uncompiled (compile=False; static_cache=True keeps the same "
+        "shapes)"
+    )
 
 
 class _Recorder:
@@ -85,10 +104,17 @@ class _Recorder:
         return run
 
 
-def auto_compile(device: torch.device | str) -> bool:
+RECORDER = _Recorder({"size_asserts": False})  # the CPU graphs' backend; StaticLM clears its note after each call
+_COMPILED: dict[str, object] = {}  # device kind -> torch.compile of _call
+
+
+def auto_compile(model: DecoderLM, length: int | None = None) -> bool:
     """The rule of ``--compile auto`` (exact either way: a compiled step computes the same function).
 
-    On CUDA: compile (CUDA graphs make a decode step one launch; the compile takes seconds). On the CPU: do not.
+    On CUDA (:data:`AUTO_COMPILE_DEVICES`): compile (CUDA graphs make a decode step one launch; the compile takes
+    seconds), when the generation's ``length`` (prompt + new tokens; ``None``: not known) fits a static cache
+    (:func:`fits_static_cache`: with learned positions, the model's ``max_seq_len``); else decode over the growing
+    cache, which slides a window. On the CPU: do not.
     Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding", the rerun with the attention
     kernel): compiling SmolLM2-135M's decode took ~150 s from cold in bfloat16 for 14.9 ms/token saved (36.0 ->
     21.1, eager on tformer's kernels against compiled), ~110 s in int8 for 18.2 ms/token (31.1 -> 12.9): it pays off
@@ -98,14 +124,47 @@ def auto_compile(device: torch.device | str) -> bool:
     CPU when asked. The dtype stays as saved: bfloat16 is not exact (on that CPU it decodes faster than float32, 27.8
     against 19.3 tok/s, but it is a different function), and int8 is lossy: both only when asked.
     """
-    return torch.device(device).type == "cuda"
+    parameters = next(model.parameters(), None)
+    if parameters is None or parameters.device.type not in AUTO_COMPILE_DEVICES:
+        return False
+    return length is None or fits_static_cache(model, length)
+
+
+def fits_static_cache(model: DecoderLM, length: int) -> bool:
+    """Whether ``length`` tokens (prompt + new tokens) fit a static cache: always, except with learned positions,
+    where a static cache holds the whole sequence in the model's ``max_seq_len`` positions (no sliding window)."""
+    window = context_window(model.cfg)
+    return window is None or length <= window
+
+
+def check_fits_static_cache(model: DecoderLM, prompt: int, max_new_tokens: int) -> None:
+    """``ValueError`` naming the fix when a ``prompt``-token prompt and ``max_new_tokens`` do not fit a static cache
+    (:func:`fits_static_cache`)."""
+    if fits_static_cache(model, prompt + max_new_tokens):
+        return
+    window = context_window(model.cfg)
+    default = (
+        "decode on the default cache, which slides a window (static_cache=False and compile=False; tformer sample "
+        "--compile off)"
+    )
+    if prompt >= window:
+        raise ValueError(
+            f"a static cache holds the whole sequence, and the prompt's {prompt} tokens already fill the model's "
+            f"{window} learned positions; shorten the prompt, or {default}"
+        )
+    raise ValueError(
+        f"a static cache holds the whole sequence: prompt {prompt} + max_new_tokens {max_new_tokens} exceeds the "
+        f"model's {window} learned positions; lower max_new_tokens to <= {window - prompt} (--max-new-tokens), or "
+        f"{default}"
+    )
 
 
 def auto_static_cache(model: DecoderLM, length: int | None = None) -> bool:
     """The rule ``tformer sample`` follows when it does not compile: decode over a static cache when every block of
     ``model`` runs a decode step as one kernel call there (:mod:`tformer.fused`: CPU, Llama-style blocks, the kernels
     built) and the generation's ``length`` (prompt + new tokens; ``None``: not known) fits the model's trained
-    context (``max_seq_len``), else over the default, growing cache. A static cache is allocated for the whole
+    context (``max_seq_len``) and the model computes in float32 or bfloat16 (the kernel's dtypes; float16 is not
+    one), else over the default, growing cache. A static cache is allocated for the whole
     length before the first token; past the trained context the growing cache takes memory only for the tokens
     made (a large ``--max-new-tokens`` is a limit an EOS usually ends long before).
 
@@ -117,6 +176,8 @@ def auto_static_cache(model: DecoderLM, length: int | None = None) -> bool:
     compiled decoding is (README)."""
     parameters = next(model.parameters(), None)
     if parameters is None or parameters.device.type != "cpu" or not kernels.uses_block_kernel():
+        return False
+    if model.decoder.embed.tokens.weight.dtype not in (torch.float32, torch.bfloat16):  # the kernel's (float16: no)
         return False
     if length is not None and length > model.cfg.max_seq_len:
         return False
@@ -157,13 +218,7 @@ class StaticLM:
 
     def __init__(self, model: DecoderLM, ids: Tensor, mask: Tensor | None, *, max_new_tokens: int, compile: bool):
         B, P = ids.shape
-        window = context_window(model.cfg)
-        if window is not None and P + max_new_tokens > window:
-            raise ValueError(
-                f"a static cache holds the whole sequence: prompt {P} + max_new_tokens {max_new_tokens} exceeds the "
-                f"model's {window} learned positions (use the default cache, which slides a window: static_cache="
-                "False and compile=False; tformer sample --compile off)"
-            )
+        check_fits_static_cache(model, P, max_new_tokens)
         _check_fits(model, B, P + max_new_tokens)
         device = ids.device
         if mask is None:
@@ -184,7 +239,8 @@ class StaticLM:
         self.token = ids.new_zeros(B, 1)  # the step's input: the same tensor at every step, its value copied in
         self.cache = model.new_cache(self.capacity)
         self.forward = compiled_forward(model) if compile else model
-        self.recorder: _Recorder | None = _RECORDERS.get(model) if compile else None
+        cpu_graphs = compile and ids.device.type not in ("cuda",)  # the devices compiled_forward gives CUDA graphs
+        self.recorder: _Recorder | None = RECORDER if cpu_graphs else None
         self.replay: tuple | None = None  # (graph, arguments): the compiled step, called without dynamo
         self.compiled = compile
         self.steps = 0
@@ -201,14 +257,15 @@ class StaticLM:
         for layer in self.cache:
             layer.self_kv.slots = slots
         prompt = self.ids[:, : self.length].contiguous()  # its own strides: the graph must not see the buffer width
-        logits = self.forward(prompt, self.keys, self.cache, self.prompt_positions)[:, -1]
+        logits = self._forward(prompt, self.keys, self.cache, self.prompt_positions)[:, -1]
         if self.recorder is not None:
             self.recorder.last = None  # it would hold this generation's cache
         for layer in self.cache:
             layer.self_kv.slots = self.slot  # every step writes the column this tensor holds
         self.slot.fill_(self.length)
-        LAST_TIMINGS.clear()
-        LAST_TIMINGS["prefill"] = time.perf_counter() - start
+        if self.compiled:
+            LAST_TIMINGS.clear()
+            LAST_TIMINGS["prefill"] = time.perf_counter() - start
         return logits
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -226,7 +283,7 @@ class StaticLM:
             # directly (_take_replay), it is; otherwise only the guards that tell cached graphs apart run.
             later = self.compiled and self.steps
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if later else contextlib.nullcontext():
-                out = self.forward(self.token, self.keys, self.cache, self.position)
+                out = self._forward(self.token, self.keys, self.cache, self.position)
             if self.recorder is not None:
                 if not self.steps and REPLAY:
                     self.replay = self._take_replay(out)
@@ -236,9 +293,15 @@ class StaticLM:
         self.slot.add_(1)
         self.position.add_(1)
         self.steps += 1
-        if self.steps == 1:
+        if self.steps == 1 and self.compiled:
             LAST_TIMINGS["first step"] = time.perf_counter() - start
         return logits
+
+    def _forward(self, *args) -> Tensor:
+        try:
+            return self.forward(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+            raise _recompile_limit_error() from err
 
     def _take_replay(self, out: Tensor) -> tuple | None:
         """The first compiled step's graph and arguments, if calling the graph is all that the step did: the recorded

@@ -9,7 +9,7 @@ from typing import Protocol, TextIO
 
 from tformer.generation.sampling import generate
 from tformer.generation.seq2seq import beam_search
-from tformer.generation.static import auto_static_cache
+from tformer.generation.static import auto_compile, auto_static_cache, check_fits_static_cache
 from tformer.models import DecoderLM, EncoderDecoder, pad_right
 
 DEFAULT_NEW_TOKENS = 200
@@ -68,13 +68,16 @@ def sample_to(
     echo: bool = True,
     add_special_tokens: bool = True,
     static_cache: bool | None = False,
+    compile: bool | None = False,
     **sampling,
 ) -> list[int]:
     """Write ``prompt`` and its sampled continuation to ``out`` (streamed, flushed per token); return the new ids.
     ``echo=False`` writes the continuation alone; ``add_special_tokens=False`` encodes the prompt without the
     tokenizer's own special tokens (a chat prompt holds its template's already: :mod:`tformer.generation.chat`).
-    ``static_cache=None``: decode over a static cache where :func:`tformer.generation.static.auto_static_cache`
-    says so for this prompt's length plus ``max_new_tokens``.
+    ``compile=None``: compile where :func:`tformer.generation.static.auto_compile` says so for this prompt's length
+    plus ``max_new_tokens``; ``static_cache=None``: when not compiling, decode over a static cache where
+    :func:`tformer.generation.static.auto_static_cache` says so. Asked to compile or to use a static cache, a
+    sequence that cannot fit one (learned positions) is refused before anything is written or noted.
     Bad settings raise ``ValueError`` before anything is written. ``max_new_tokens=None``: ``DEFAULT_NEW_TOKENS``.
     The text ends at ``eos_id`` (one id or several; ``None``: the tokenizer's ``eos_id``, if it has one);
     ``note``: called to say that the prompt is longer than the model's trained context (learned positions: the
@@ -91,6 +94,13 @@ def sample_to(
         raise ValueError(EMPTY_PROMPT)
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
+    length = len(ids) + max_new_tokens
+    if compile is None:
+        compile = auto_compile(model, length)
+    if static_cache is None:
+        static_cache = not compile and auto_static_cache(model, length)
+    if compile or static_cache:
+        check_fits_static_cache(model, len(ids), max_new_tokens)
     trained = model.cfg.max_seq_len
     if note is not None and len(ids) > trained:
         if model.cfg.position == "learned":  # generate crops the prompt: a window
@@ -103,8 +113,6 @@ def sample_to(
                 f"the prompt's {len(ids)} tokens are more than the model's trained context (max_seq_len {trained}); "
                 f"its {model.cfg.position} positions go on, but what it generates may degrade"
             )
-    if static_cache is None:
-        static_cache = auto_static_cache(model, len(ids) + max_new_tokens)
     stream = TextStream(tokenizer, out, prefix=prompt if echo else "")
     new = generate(
         model,
@@ -114,6 +122,7 @@ def sample_to(
         eos_id=getattr(tokenizer, "eos_id", None) if eos_id is None else eos_id,
         on_token=lambda _row, tok: stream.push(tok),
         static_cache=static_cache,
+        compile=compile,
         **sampling,
     )[0]
     stream.close()
