@@ -116,7 +116,7 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
         raise TypeError(f"quantize takes a model (an nn.Module); got a {type(model).__name__}{pretrained}")
     if scheme != "int8":
         raise ValueError(f"unknown quantization scheme {scheme!r}; tformer has 'int8' (weight-only, per channel)")
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if is_quantized(model):
         raise ValueError("this model is already quantized")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -126,6 +126,11 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     if hasattr(model, "head") and model.head is None and decoder is not None:  # tied: the logits read the embedding
         model.head = Int8Linear.from_weight(decoder.embed.tokens.weight)
     return pack_weights(model.eval())
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether :func:`quantize` has replaced linear layers of ``model`` (its weights are int8 codes and scales)."""
+    return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:

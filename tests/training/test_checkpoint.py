@@ -86,6 +86,17 @@ def test_weights_of_another_model_are_refused(tmp_path):
         load_model_weights(EncoderDecoder(TransformerConfig.tiny(vocab_size=256)), path / "model.safetensors")
 
 
+def test_a_quantized_model_is_refused_before_anything_is_written(tmp_path):
+    """int8 codes and scales are not the weights a checkpoint's model is built with: ``load_checkpoint`` could not
+    read them back, so saving refuses them (as ``save_pretrained`` does) and leaves no directory behind."""
+    from tformer import quantize
+
+    model = quantize(DecoderLM(TransformerConfig.tiny(vocab_size=256)))
+    with pytest.raises(ValueError, match=r"quantized \(int8\) model cannot be saved as a checkpoint"):
+        save_checkpoint(tmp_path / "run", model=model, tokenizer=ByteTokenizer(), kind="lm", step=1, train_config={})
+    assert not (tmp_path / "run").exists()
+
+
 def test_truncated_corrupted_and_foreign_directories_are_clear_errors(tmp_path):
     _, path = _save(tmp_path)
     weights = path / "model.safetensors"

@@ -219,7 +219,7 @@ def save_pretrained(
     ``tokenizer_config.json``, its special tokens). The special ids are ``generation``'s (pass
     ``pretrained.generation`` to keep a model's several end-of-sequence ids), else the tokenizer's.
     ``InteropError`` names the config field when the model fits no family; nothing is written then."""
-    from tformer.quantization import Int8Linear
+    from tformer.quantization import is_quantized
     from tformer.training.checkpoint import unwrap
 
     if isinstance(model, Pretrained):
@@ -230,7 +230,7 @@ def save_pretrained(
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained takes a tformer model (an nn.Module); got {type(model).__name__}")
     model = unwrap(model)
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if is_quantized(model):
         raise InteropError(
             "a quantized (int8) model cannot be exported: Hugging Face's formats hold float weights; save the model "
             "before tformer.quantize"

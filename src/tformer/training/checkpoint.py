@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
 from tformer.models import DecoderLM, EncoderDecoder
+from tformer.quantization import is_quantized
 from tformer.training.tokenizers import TOKENIZER_FILE, Tokenizer, tokenizer_from_dict
 
 Kind = Literal["lm", "seq2seq"]
@@ -99,12 +100,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def strip_wrapper_prefixes(key: str) -> str:
     """``"_orig_mod.module.decoder.x"`` -> ``"decoder.x"``."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, changed = key[len(prefix) :], True
+    while key.startswith(_WRAPPER_PREFIXES):  # each a first name and its dot
+        key = key.split(".", 1)[1]
     return key
 
 
@@ -245,6 +242,8 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep must be >= 1; got {keep}")
     model_class(kind)  # validates kind
+    if is_quantized(model):  # Int8Linear's codes and scales: not the weights load_checkpoint builds a model for
+        raise ValueError("a quantized (int8) model cannot be saved as a checkpoint; save it before tformer.quantize")
     root = Path(out) / CHECKPOINTS_DIR
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
