@@ -15,6 +15,7 @@ import torch
 
 from tformer.cli import build_parser
 from tformer.cli.train import config_from_args
+from tformer.config import ConfigError
 from tformer.training import TrainConfig, TrainingError, run_lock, train
 from tformer.training.checkpoint import CheckpointError, find_latest, load_checkpoint, read_manifest
 from tformer.training.demos import sample_text
@@ -669,3 +670,37 @@ def test_a_saved_value_out_of_range_is_fixed_by_its_flag(tiny_run, tmp_path, cor
         train(config_from_args(build_parser().parse_args(common)))
     assert train(config_from_args(build_parser().parse_args([*common, "--keep", "1"]))).step == 3
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000003"]
+
+
+def test_resume_refuses_a_corpus_changed_since_the_run_and_takes_one_only_touched(tiny_run, corpus):
+    """The checkpoint keeps the SHA-256 of the token ids the run trained on: a corpus edited between stop and resume
+    is refused (the run would go on over other text), a file touched but not changed resumes."""
+    train(tiny_run(stop_after=4, save_every=2))
+    text = corpus.read_text()
+    corpus.write_text(text.replace("return", "yield"))
+    with pytest.raises(ValueError, match=r"holds other text than the run trained on .*--init-from"):
+        train(tiny_run(resume=True, stop_after=6))
+    corpus.write_text(text)
+    os.utime(corpus, (1e9, 1e9))  # the same text, another modification time: retokenized, the same ids
+    assert train(tiny_run(resume=True, stop_after=6)).step == 6
+
+
+def test_resume_refuses_an_edited_pairs_file(tmp_path):
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("".join(f"{a} {b}\t{b} {a}\n" for a in "abcdef" for b in "ghijk"))
+    cfg = dict(out=str(tmp_path / "p"), pairs=str(pairs), steps=4, batch_size=4, model={}, warmup=1, progress=False)
+    train(TrainConfig(**cfg, stop_after=2))
+    pairs.write_text(pairs.read_text().replace("a g\tg a", "a g\tg b"))
+    with pytest.raises(ValueError, match=r"--pairs .*pairs\.tsv holds other text than the run trained on"):
+        train(TrainConfig(**cfg, resume=True))
+
+
+def test_an_out_folder_inside_the_data_folder_is_refused_before_anything_is_written(tiny_run, tmp_path, corpus):
+    """Its checkpoints and metrics.jsonl would be scanned as training text; a hidden folder is not scanned."""
+    data = tmp_path / "data"
+    data.mkdir()
+    corpus.rename(data / "corpus.txt")
+    with pytest.raises(ConfigError, match=r"--out .*data/runs/a is inside --data .*: the run's own files"):
+        train(tiny_run("data/runs/a", data=str(data)))
+    assert not (data / "runs").exists()
+    assert train(tiny_run("data/.runs/a", data=str(data), stop_after=1)).step == 1

@@ -45,7 +45,7 @@ DOC_SEPARATOR = "\n\n"
 CHUNK_CHARS = 1 << 22  # read and tokenize ~4M characters at a time
 TEXT_PROBE_BYTES = 8192  # a file is text if this prefix has no NUL byte and is valid UTF-8 (git's probe size)
 STALE_TMP_QUIET_S = 60.0  # a cache .tmp-* folder unchanged this long, with no writer holding its lock, is stale
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: meta.json holds the SHA-256 of tokens.bin
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,11 +199,13 @@ def default_cache_dir() -> Path:
 
 @dataclass
 class TokenizedCorpus:
-    """A tokenized corpus: ``tokens`` memory-mapped from ``path``, split at ``split``."""
+    """A tokenized corpus: ``tokens`` memory-mapped from ``path``, split at ``split``; ``digest``: the SHA-256 of the
+    token stream (a resumed run checks that it trains on the same tokens)."""
 
     tokens: np.ndarray  # (N,) uint16 or uint32, a read-only memmap
     split: int
     path: Path
+    digest: str
 
     @property
     def train(self) -> np.ndarray:
@@ -217,12 +219,13 @@ class TokenizedCorpus:
 def _write_tokens(files: Sequence[Path], tokenizer: Tokenizer, directory: Path) -> None:
     """Tokenize chunk by chunk, appending to ``directory/tokens.bin``; then write ``meta.json``."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    count = 0
+    count, digest = 0, hashlib.sha256()
     with open(directory / "tokens.bin", "wb") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # held while writing: tells remove_stale_temps this entry is live
         for text in iter_texts(files, CHUNK_CHARS):
             ids = tokenizer.encode_array(text).astype(dtype)
             ids.tofile(f)
+            digest.update(ids.tobytes())
             count += len(ids)
         f.flush()
         os.fsync(f.fileno())
@@ -230,6 +233,7 @@ def _write_tokens(files: Sequence[Path], tokenizer: Tokenizer, directory: Path) 
         "version": _CACHE_VERSION,
         "dtype": np.dtype(dtype).name,
         "count": count,
+        "sha256": digest.hexdigest(),
         "files": len(files),
         "tokenizer": tokenizer.to_dict()["kind"],
         "vocab_size": tokenizer.vocab_size,
@@ -318,4 +322,4 @@ def tokenize_corpus(
         raise ValueError(f"the corpus ({what}) is empty after tokenization")
     tokens = np.memmap(entry / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(count,))
     split = int(round(count * (1.0 - val_fraction)))
-    return TokenizedCorpus(tokens, split, entry)
+    return TokenizedCorpus(tokens, split, entry, meta["sha256"])

@@ -7,6 +7,7 @@ next to the token cache); a seq2seq tokenizer holds ``<pad>, <bos>, <eos>`` as i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class RunData:
     val: list
     held_out: list[tuple[list[int], list[int]]] | None = None  # seq2seq: (source ids, target ids)
     max_len: int = 0  # seq2seq: the longest source or target (+ BOS/EOS)
+    digest: str | None = None  # SHA-256 of the token ids of a corpus or pairs file (a task is made by its settings)
 
 
 def cached_tokenizer(cfg: TrainConfig, files: list[Path]) -> Tokenizer:
@@ -72,7 +74,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
         corpus = tokenize_corpus(files, tokenizer, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
         train = LMBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed)
         val = LMBatches(corpus.val, cfg.block_size, cfg.batch_size, cfg.seed).evaluation(cfg.eval_batches)
-        return RunData(tokenizer, train, val)
+        return RunData(tokenizer, train, val, digest=corpus.digest)
     if cfg.task is not None:
         task = SequenceTask(cfg.task, min_len=cfg.task_min_len, max_len=cfg.task_max_len)
         if tokenizer is None:
@@ -82,6 +84,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
         withheld = {s for s in sources if task.can_withhold(s)}  # short lengths cannot be withheld (all of them)
         train = Seq2SeqBatches(cfg.batch_size, cfg.seed, task=task, exclude=withheld)
         max_len = max(task.max_source_len, task.max_target_len)
+        digest = None
     else:
         pairs = load_pairs(cfg.pairs)
         train_idx, val_idx = split_pairs(len(pairs), cfg.val_fraction)
@@ -96,7 +99,8 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
             cfg.batch_size, cfg.seed, pairs=[encoded[i] for i in train_idx], bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID
         )
         max_len = max(max(len(s), len(t) + 2) for s, t in encoded)
+        digest = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()
     if (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) != (PAD_ID, BOS_ID, EOS_ID):
         raise ValueError(f"a seq2seq tokenizer needs {', '.join(SEQ2SEQ_SPECIALS)} as ids 0, 1, 2; got {tokenizer}")
     val = evaluation_batches(held, cfg.batch_size, BOS_ID, EOS_ID, PAD_ID)
-    return RunData(tokenizer, train, val, held, max_len)
+    return RunData(tokenizer, train, val, held, max_len, digest)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tformer.config import ConfigError
 from tformer.training.checkpoint import (
     CHECKPOINTS_DIR,
     STATE,
@@ -98,3 +99,36 @@ def check_resumable(cfg: TrainConfig, ckpt: Checkpoint) -> None:
     end = cfg.stop_after if cfg.stop_after is not None else cfg.steps
     if end <= ckpt.step:
         raise ValueError(f"stop_after={end} is not after the checkpoint's step {ckpt.step}; nothing to train")
+
+
+def check_same_data(cfg: TrainConfig, ckpt: Checkpoint, digest: str | None) -> None:
+    """``ValueError`` when the data a resumed run would train on is not what its checkpoint was trained on: the
+    same ``--data``/``--pairs`` path (:func:`check_resumable`) whose files were edited, added or removed since. The
+    token ids are compared (their SHA-256, ``digest``), so a file touched but not changed still resumes.
+    Checkpoints written before the digest was saved are not checked."""
+    saved = ckpt.train_config.get("data_digest")
+    if saved is None or digest is None or saved == digest:
+        return
+    source = f"--data {cfg.data}" if cfg.data is not None else f"--pairs {cfg.pairs}"
+    raise ValueError(
+        f"cannot resume {ckpt.path}: {source} holds other text than the run trained on (its token ids differ from "
+        "the saved run's: files were edited, added or removed since); restore the data as it was, or start a new run "
+        f"from these weights into another --out (--init-from {cfg.out})"
+    )
+
+
+def check_out_outside_data(cfg: TrainConfig) -> None:
+    """``ConfigError`` for an ``--out`` inside the ``--data`` folder where the corpus scan would read it: the run's
+    own files (``metrics.jsonl``, checkpoints, tokenizers) would become training text, and on ``--resume`` other
+    text than the run started with. A hidden folder (``.runs/``) is skipped by the scan, so it may hold runs."""
+    if cfg.out is None or cfg.data is None or not Path(cfg.data).is_dir():
+        return
+    data, out = Path(cfg.data).resolve(), Path(cfg.out).resolve()
+    if out.is_relative_to(data) and not any(part.startswith(".") for part in out.relative_to(data).parts):
+        raise ConfigError(
+            f"--out {cfg.out} is inside --data {cfg.data}: the run's own files (checkpoints, metrics.jsonl) would be "
+            "read as training text; choose an --out outside the data folder (or a hidden folder in it, which the "
+            "corpus scan skips)",
+            "out",
+            "data",
+        )

@@ -54,7 +54,7 @@ from tformer.training.losses import evaluate_loss, exact_match, loss_sum
 from tformer.training.metrics import MetricsLog
 from tformer.training.optim import autocast_dtype, cpu_has_native_bfloat16, lr_at, make_optimizer, step_seed
 from tformer.training.pairs import check_pairs_file
-from tformer.training.resume import checkpoint_to_resume
+from tformer.training.resume import check_out_outside_data, check_same_data, checkpoint_to_resume
 from tformer.training.rundir import METRICS_FILE, claimed
 from tformer.training.runtime import StopFlag, TrainingError, World, init_world, resolve_device
 
@@ -77,6 +77,7 @@ def train(cfg: TrainConfig, *, init: Init | None = None) -> TrainResult:
     if init is not None and cfg.init_from is not None:
         raise ConfigError("init re-initializes a fresh model; init_from starts from a model's weights", "init_from")
     scan = scan_corpus(cfg.data) if cfg.kind == "lm" else None  # the corpus's text files (a folder with none fails)
+    check_out_outside_data(cfg)
     if cfg.pairs is not None:
         check_pairs_file(cfg.pairs)
     world = init_world(cfg.device)
@@ -152,6 +153,7 @@ class Trainer:
             )
             if ckpt.config != config:
                 raise CheckpointError(f"{ckpt.path}: saved model config {ckpt.config} differs from {config}")
+            check_same_data(cfg, ckpt, data.digest)
             trainer = cls(cfg, world, device, data, ckpt.model, ckpt.step)
             trainer.restore(ckpt)
         else:
@@ -308,7 +310,7 @@ class Trainer:
             tokenizer=self.data.tokenizer,
             kind=self.cfg.kind,
             step=self.done,
-            train_config=self.cfg.to_dict(),
+            train_config={**self.cfg.to_dict(), "data_digest": self.data.digest},  # checked on --resume
             trainer_state=state,
             keep=self.cfg.keep,
         )
