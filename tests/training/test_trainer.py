@@ -704,3 +704,20 @@ def test_an_out_folder_inside_the_data_folder_is_refused_before_anything_is_writ
         train(tiny_run("data/runs/a", data=str(data)))
     assert not (data / "runs").exists()
     assert train(tiny_run("data/.runs/a", data=str(data), stop_after=1)).step == 1
+
+
+def test_a_fresh_run_does_not_overwrite_the_metrics_of_a_run_that_saved_no_checkpoint(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (out / "loss.png").write_bytes(b"png")
+    with pytest.raises(FileExistsError, match=r"holds metrics\.jsonl and loss\.png of a run that saved no checkpoint"):
+        train(tiny_run())
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n' and sorted(os.listdir(out)) == [
+        ".lock",
+        "loss.png",
+        "metrics.jsonl",
+    ]
+    (out / "metrics.jsonl").write_text("")  # empty: nothing to lose (a run that failed before its first step)
+    (out / "loss.png").unlink()
+    assert train(tiny_run(stop_after=1)).step == 1

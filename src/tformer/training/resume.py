@@ -20,6 +20,8 @@ from tformer.training.checkpoint import (
 )
 from tformer.training.config import STRUCTURAL, TrainConfig
 
+RUN_OUTPUTS = ("metrics.jsonl", "loss.png")  # what a fresh run writes into OUT besides its checkpoints
+
 
 def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> CheckpointError:
     """The error for a latest checkpoint of run ``out`` that fails to load with ``err``."""
@@ -55,6 +57,14 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
             raise FileExistsError(
                 f"{cfg.out} already holds checkpoints (latest {latest.name}); pass --resume to "
                 "continue that run, or choose another --out"
+            )
+        written = [
+            name for name in RUN_OUTPUTS if (Path(cfg.out) / name).is_file() and (Path(cfg.out) / name).stat().st_size
+        ]
+        if written:
+            raise FileExistsError(
+                f"{cfg.out} holds {' and '.join(written)} of a run that saved no checkpoint (or files of that name), "
+                "which this run would overwrite; delete them, or choose another --out"
             )
         return None
     if latest is None:
