@@ -450,3 +450,31 @@ def test_the_cli_module_itself_imports_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code, cli.__file__], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr
+
+
+def test_resume_can_turn_off_what_the_run_turned_on_and_notes_a_new_attention_backend(tiny_flags, tmp_path, capsys):
+    """Every on/off setting has both flags (--compile/--no-compile, --progress/--no-progress), so a resumed run can
+    undo what the saved run set (it takes the saved values otherwise); a new --attn-backend, the one model flag a
+    resume may change (all backends are exact), is noted like the other changed settings."""
+    from tformer.cli.train import config_from_args
+
+    corpus, out = tmp_path / "c.txt", tmp_path / "run"
+    corpus.write_text("abc\n" * 200)
+    common = ["--data", str(corpus), *tiny_flags, "--warmup", "0", "--attn-backend", "reference"]
+    assert main(["train", "--out", str(out), "--steps", "1", "--no-progress", *common]) == 0
+    manifest = out / "checkpoints" / "step-000001" / "checkpoint.json"
+    saved = json.loads(manifest.read_text())
+    saved["train_config"]["compile"] = True  # as a run with --compile saves it (compiling here would take a minute)
+    manifest.write_text(json.dumps(saved))
+    capsys.readouterr()
+
+    def resumed(*flags: str) -> TrainConfig:
+        return config_from_args(cli.build_parser().parse_args(["train", "--out", str(out), "--resume", *flags]))
+
+    assert (resumed().compile, resumed().progress) == (True, False)  # the saved values
+    cfg = resumed("--no-compile", "--progress", "--attn-backend", "sdpa")
+    assert (cfg.compile, cfg.progress, cfg.model["attn_backend"]) == (False, True, "sdpa")
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --resume with --no-compile (the run had --compile)",
+        "note: --resume with --attn-backend sdpa (the run had reference)",
+    ]

@@ -34,8 +34,9 @@ def _argument(flag: str, dest: str, annotation: Any, help_text: str, default: An
     kind = _plain(annotation)
     kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
     shown = "" if default is None or isinstance(default, bool) else f" (default {_show(default)})"
-    if kind is bool:
-        kwargs["action"] = "store_false" if flag.startswith("--no-") else "store_true"
+    if kind is bool:  # --x and --no-x: a resumed run can turn off what the saved run turned on, and back
+        kwargs["action"] = argparse.BooleanOptionalAction
+        flag = "--" + flag.removeprefix("--").removeprefix("no-")
     elif get_origin(kind) is Literal:
         kwargs["choices"] = list(get_args(kind))
     elif get_origin(kind) is tuple:
@@ -92,7 +93,7 @@ def add_train_flags(
         if not flag_of(f):
             continue
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        names, kwargs = _argument(flag_of(f), f.name, types[f.name], meta.flag_help or meta.help, default)
+        names, kwargs = _argument(flag_of(f), f.name, types[f.name], meta.help, default)
         if meta.choices is not None:
             kwargs["choices"] = list(meta.choices)
         if meta.required and only is None:

@@ -32,7 +32,7 @@ def add_cli(subparsers) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`TrainConfig` the flags describe; with ``--resume`` the saved run's, updated by the flags."""
-    from tformer.training.config import TrainConfig
+    from tformer.training.config import MODEL_FLAGS, TrainConfig
 
     given, model = given_settings(args)
     base = _saved_settings(given, model) if given.get("resume") else {}
@@ -40,16 +40,29 @@ def config_from_args(args: argparse.Namespace):
     reject_flags_that_do_not_apply(cfg, set(given))
     if base and int(os.environ.get("RANK", "0")) == 0:  # a resumed run the flags change: say so (rank 0)
         saved = TrainConfig.from_dict({**base, "out": cfg.out})
-        for name in sorted(set(given) & set(base) - {"out", "resume", "progress"}):
-            now, before = getattr(cfg, name), getattr(saved, name)
+        changed = {
+            flag_of_setting(name): (getattr(cfg, name), getattr(saved, name))
+            for name in sorted(set(given) & set(base) - {"out", "resume", "progress"})
+        }
+        if "attn_backend" in model:  # the one model flag a resume may change (all backends are exact)
+            before = base.get("model", {}).get("attn_backend", "auto")
+            changed[MODEL_FLAGS["attn_backend"].flag] = (model["attn_backend"], before)
+        for flag, (now, before) in changed.items():
             if now != before:
-                flag = flag_of_setting(name)
-                print(f"note: --resume with {flag} {_shown(now)} (the run had {_shown(before)})", file=sys.stderr)
+                had = _shown(flag, before) if isinstance(before, bool) else _value(before)
+                print(f"note: --resume with {_shown(flag, now)} (the run had {had})", file=sys.stderr)
     return cfg
 
 
-def _shown(value: Any) -> str:
-    """A setting's value as its flag takes it (``--betas 0.9 0.99``, ``--lr 0.001``)."""
+def _shown(flag: str, value: Any) -> str:
+    """A setting as its flag sets it (``--betas 0.9 0.99``, ``--lr 0.001``, ``--no-compile``)."""
+    if isinstance(value, bool):
+        name = flag.removeprefix("--").removeprefix("no-")
+        return f"--{name}" if value else f"--no-{name}"
+    return f"{flag} {_value(value)}"
+
+
+def _value(value: Any) -> str:
     if isinstance(value, tuple):
         return " ".join(map(str, value))
     return f"{value:g}" if isinstance(value, float) else str(value)

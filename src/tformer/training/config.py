@@ -248,9 +248,7 @@ class TrainConfig:
     )
     keep: int = setting(2, "newest checkpoints kept, older ones deleted", group="bookkeeping", rule=positive)
     log_every: int = setting(10, "steps between progress/metrics updates", group="bookkeeping", rule=positive)
-    progress: bool = setting(
-        True, "progress bar, validation lines", group="bookkeeping", flag_help="no bar or lines (see metrics.jsonl)"
-    )
+    progress: bool = setting(True, "a progress bar and validation lines (else see metrics.jsonl)", group="bookkeeping")
 
     def __post_init__(self) -> None:
         for name in ("out", "data", "pairs", "cache_dir", "init_from"):  # paths as strings (JSON in checkpoints)

@@ -35,7 +35,6 @@ class Setting:
     expected: str | None = None  # how errors say the type ("a path"); default: from the annotation
     flag: str | None = None  # default: --name-with-dashes (--no-name for a bool that defaults to True); "": none
     required: bool = False  # on the command line (the Python default may mean something else, e.g. None)
-    flag_help: str | None = None  # the flag's help where it differs from the setting's (a --no-x flag)
     choices: tuple[str, ...] | None = None  # the values a string setting takes (checked, and the flag's choices)
     sources: tuple[str, ...] = ()
     tokenizers: tuple[str, ...] = ()
