@@ -478,3 +478,58 @@ def test_resume_can_turn_off_what_the_run_turned_on_and_notes_a_new_attention_ba
         "note: --resume with --no-compile (the run had --compile)",
         "note: --resume with --attn-backend sdpa (the run had reference)",
     ]
+
+
+def test_the_summary_says_what_each_figure_covers(tmp_path):
+    """The validation loss of a run stopped between evaluations names its step; a seq2seq training loss names its
+    label smoothing (the validation loss has none); tokens/s is of the training steps alone."""
+    from tformer.cli.train import summary
+    from tformer.training import TrainResult
+
+    result = TrainResult(
+        out=tmp_path,
+        kind="seq2seq",
+        step=25,
+        losses={24: 2.0, 25: 1.0},
+        val_losses={10: 3.0, 20: 2.5},
+        val_accuracy=None,
+        tokens_per_s=1234.4,
+        seconds=10.0,
+        checkpoint=tmp_path / "checkpoints" / "step-000025",
+        interrupted=False,
+        num_parameters=1000,
+        label_smoothing=0.1,
+    )
+    lines = summary(result).splitlines()
+    assert lines[:3] == [
+        "trained to step 25 in 10 s (1,234 tokens/s while training, 1,000 parameters)",
+        "training loss 1.5000 (mean of the last 2 steps, label smoothing 0.1)",
+        "validation loss 2.5000 (at step 20, the last evaluation)",
+    ]
+    result.val_losses[25], result.label_smoothing = 2.25, 0.0
+    assert summary(result).splitlines()[1:3] == [
+        "training loss 1.5000 (mean of the last 2 steps)",
+        "validation loss 2.2500",
+    ]
+    result.val_accuracy, result.trained_held_out = 0.5, 12
+    assert summary(result).splitlines()[3] == (
+        "held-out exact match 50.0% (12 held-out sources are too short to keep out of training: it may have trained "
+        "on them)"
+    )
+
+
+def test_tokens_per_second_leaves_out_evaluations(tiny_run, monkeypatch):
+    """A run's tokens/s counts the time of its training steps: four evaluations made 0.5 s slower each take at
+    least 2 s of the run's time and none of its rate (256 tokens: 4 steps of 4 windows of 16)."""
+    from tformer.training import trainer
+
+    evaluate = trainer.Trainer.evaluate
+
+    def slow(self):
+        time.sleep(0.5)
+        evaluate(self)
+
+    monkeypatch.setattr(trainer.Trainer, "evaluate", slow)
+    result = train(tiny_run(steps=4, eval_every=1))
+    assert sorted(result.val_losses) == [1, 2, 3, 4]
+    assert result.tokens_per_s >= 256 / (result.seconds - 2.0) * (1 - 1e-9)  # counted over at most seconds - 2

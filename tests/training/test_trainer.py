@@ -18,9 +18,11 @@ from tformer.cli.train import config_from_args
 from tformer.config import ConfigError
 from tformer.training import TrainConfig, TrainingError, run_lock, train
 from tformer.training.checkpoint import CheckpointError, find_latest, load_checkpoint, read_manifest
+from tformer.training.datasets import task_held_out
 from tformer.training.demos import sample_text
 from tformer.training.optim import lr_at, make_optimizer
 from tformer.training.runtime import resolve_device
+from tformer.training.tasks import SequenceTask
 
 
 def test_resume_is_bitwise_identical_to_training_straight_through(tiny_run, tmp_path, corpus):
@@ -97,6 +99,9 @@ def test_seq2seq_task_trains_and_its_tokenizer_speaks_the_task(tmp_path):
     result = train(cfg)
     assert result.kind == "seq2seq" and 0.0 <= result.val_accuracy <= 1.0
     assert result.losses[40] < result.losses[1]
+    held_out = task_held_out(cfg)  # the summary's count: the held-out sources of lengths with < 1000 sources
+    task = SequenceTask("add", max_len=2)
+    assert 0 < result.trained_held_out == sum(not task.can_withhold(s) for s in held_out) < len(held_out)
     ckpt = load_checkpoint(tmp_path / "add")
     assert ckpt.kind == "seq2seq" and ckpt.tokenizer.encode("12+3") == [4, 5, 13, 6]  # the task's own ids
     assert (ckpt.tokenizer.bos_id, ckpt.tokenizer.eos_id, ckpt.tokenizer.pad_id) == (1, 2, 0)

@@ -167,16 +167,24 @@ def _run_train(args: argparse.Namespace) -> int:
 def summary(result) -> str:
     """What ``tformer train`` prints at the end of a run."""
     lines = [
-        f"trained to step {result.step} in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
-        f"{result.num_parameters:,} parameters)"
+        f"trained to step {result.step} in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} tokens/s while "
+        f"training, {result.num_parameters:,} parameters)"
     ]
     if result.losses:
         last = min(20, len(result.losses))
-        lines.append(f"training loss {result.final_loss:.4f} (mean of the last {last} step{'s' if last > 1 else ''})")
+        smoothed = f", label smoothing {result.label_smoothing:g}" if result.label_smoothing else ""
+        lines.append(
+            f"training loss {result.final_loss:.4f} (mean of the last {last} step{'s' if last > 1 else ''}{smoothed})"
+        )
     if result.val_losses:
-        lines.append(f"validation loss {result.val_loss:.4f}")
+        evaluated = max(result.val_losses)
+        at = "" if evaluated == result.step else f" (at step {evaluated}, the last evaluation)"
+        lines.append(f"validation loss {result.val_loss:.4f}{at}")
     if result.val_accuracy is not None:
-        lines.append(f"held-out exact match {100 * result.val_accuracy:.1f}%")
+        seen = result.trained_held_out
+        also = f" ({seen} held-out sources are too short to keep out of training: it may have trained on them)"
+        also = also if seen else ""
+        lines.append(f"held-out exact match {100 * result.val_accuracy:.1f}%{also}")
     lines.append(f"checkpoint {result.checkpoint}")
     lines.append(f"metrics {result.out / 'metrics.jsonl'}, loss plot {result.out / 'loss.png'}")
     return "\n".join(lines)

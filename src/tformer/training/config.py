@@ -446,11 +446,13 @@ class TrainResult:
     losses: dict[int, float]  # training loss of every step run in this call
     val_losses: dict[int, float]
     val_accuracy: float | None  # seq2seq: exact match of greedy decodes on the held-out set, at the end
-    tokens_per_s: float
+    tokens_per_s: float  # of the training steps: evaluations and saves are not counted (as in metrics.jsonl)
     seconds: float
     checkpoint: Path | None
     interrupted: bool
     num_parameters: int
+    label_smoothing: float = 0.0  # in the training losses (seq2seq); the validation losses have none
+    trained_held_out: int = 0  # held-out examples training may draw too (a task's lengths too short to withhold)
     model: nn.Module | None = dataclasses.field(default=None, repr=False)  # the trained model, in eval mode
     tokenizer: Tokenizer | None = dataclasses.field(default=None, repr=False)
 

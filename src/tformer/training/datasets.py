@@ -42,6 +42,7 @@ class RunData:
     held_out: list[tuple[list[int], list[int]]] | None = None  # seq2seq: (source ids, target ids)
     max_len: int = 0  # seq2seq: the longest source or target (+ BOS/EOS)
     digest: str | None = None  # SHA-256 of the token ids of a corpus or pairs file (a task is made by its settings)
+    trained_held_out: int = 0  # held-out examples that training may draw too (a task's short lengths)
 
 
 def cached_tokenizer(cfg: TrainConfig, files: list[Path]) -> Tokenizer:
@@ -84,7 +85,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
         withheld = {s for s in sources if task.can_withhold(s)}  # short lengths cannot be withheld (all of them)
         train = Seq2SeqBatches(cfg.batch_size, cfg.seed, task=task, exclude=withheld)
         max_len = max(task.max_source_len, task.max_target_len)
-        digest = None
+        digest, trained_held_out = None, sum(s not in withheld for s in sources)
     else:
         pairs = load_pairs(cfg.pairs)
         train_idx, val_idx = split_pairs(len(pairs), cfg.val_fraction)
@@ -99,8 +100,8 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
             cfg.batch_size, cfg.seed, pairs=[encoded[i] for i in train_idx], bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID
         )
         max_len = max(max(len(s), len(t) + 2) for s, t in encoded)
-        digest = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()
+        digest, trained_held_out = hashlib.sha256(json.dumps(encoded).encode()).hexdigest(), 0
     if (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) != (PAD_ID, BOS_ID, EOS_ID):
         raise ValueError(f"a seq2seq tokenizer needs {', '.join(SEQ2SEQ_SPECIALS)} as ids 0, 1, 2; got {tokenizer}")
     val = evaluation_batches(held, cfg.batch_size, BOS_ID, EOS_ID, PAD_ID)
-    return RunData(tokenizer, train, val, held, max_len, digest)
+    return RunData(tokenizer, train, val, held, max_len, digest, trained_held_out)

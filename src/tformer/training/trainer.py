@@ -128,6 +128,7 @@ class Trainer:
         self.metrics: MetricsLog | None = None
         self.bar = None
         self._window = (time.perf_counter(), 0)  # (start, tokens) of the current tokens/s measurement
+        self.paused_s = 0.0  # seconds of evaluations and saves: not training time
 
     @classmethod
     def prepare(
@@ -400,6 +401,7 @@ class Trainer:
         yield
         start, tokens = self._window
         self._window = (start + time.perf_counter() - paused, tokens)
+        self.paused_s += time.perf_counter() - paused
 
     def _record(self, entry: dict) -> None:
         if self.metrics is not None:
@@ -427,11 +429,13 @@ class Trainer:
             losses=self.losses,
             val_losses=self.val_losses,
             val_accuracy=self.accuracy,
-            tokens_per_s=(self.tokens_seen - self.tokens_at_start) / max(seconds, 1e-9),
+            tokens_per_s=(self.tokens_seen - self.tokens_at_start) / max(seconds - self.paused_s, 1e-9),
             seconds=seconds,
             checkpoint=find_latest(out) if out is not None else None,
             interrupted=interrupted,
             num_parameters=self.num_parameters,
+            label_smoothing=self.cfg.label_smoothing if self.cfg.kind == "seq2seq" else 0.0,
+            trained_held_out=self.data.trained_held_out,
             model=self.model.eval(),
             tokenizer=self.data.tokenizer,
         )
