@@ -533,3 +533,17 @@ def test_tokens_per_second_leaves_out_evaluations(tiny_run, monkeypatch):
     result = train(tiny_run(steps=4, eval_every=1))
     assert sorted(result.val_losses) == [1, 2, 3, 4]
     assert result.tokens_per_s >= 256 / (result.seconds - 2.0) * (1 - 1e-9)  # counted over at most seconds - 2
+
+
+def test_resuming_a_run_with_data_of_the_other_kind_names_the_kind(tiny_flags, tmp_path, capsys):
+    """An LM run resumed with --task (or a seq2seq run with --data) is refused for what it is, not for the saved
+    LM-only settings (--block-size) that a seq2seq run would ignore."""
+    corpus, out = tmp_path / "c.txt", str(tmp_path / "run")
+    corpus.write_text("abc\n" * 200)
+    assert main(["train", "--out", out, "--steps", "1", "--no-progress", "--data", str(corpus), *tiny_flags]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", out, "--resume", "--steps", "2", "--task", "reverse"]) == 2
+    assert capsys.readouterr().err == (
+        f"tformer train: error: --resume: {out} holds a language-model run (--data), and --task trains the other "
+        "kind; resume it with its own kind of data, or train into another --out\n"
+    )

@@ -107,6 +107,15 @@ def test_iter_texts_is_the_joined_files_in_pieces(folder, chunk):
         assert len(pieces) > 3 and all(p.endswith("\n") for p in pieces[:-1])  # cut at line ends
 
 
+def test_a_byte_order_mark_opening_a_file_is_not_text(tmp_path):
+    """A file saved "UTF-8 with BOM" reads as the same text as one without: the mark would otherwise be a character
+    of the corpus (and of a char tokenizer's vocabulary)."""
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("abc\n")
+    marked.write_bytes(b"\xef\xbb\xbfabc\n")
+    assert "".join(iter_texts([marked, plain])) == f"abc\n{DOC_SEPARATOR}abc\n"
+
+
 def test_token_cache_round_trip_split_and_reuse(folder, tmp_path, monkeypatch):
     files = corpus_files(folder)
     whole = DOC_SEPARATOR.join(f.read_bytes().decode() for f in files)

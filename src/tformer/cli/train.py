@@ -91,7 +91,14 @@ def _saved_settings(given: dict[str, Any], model: dict[str, Any]) -> dict[str, A
         raise damaged_checkpoint_error(out, err) from None
     base = manifest["train_config"]
     base.pop("stop_after", None)  # a time-box of the earlier run, not of this one
-    if {"data", "task", "pairs"} & set(given):  # a new data source replaces the saved one (then checked)
+    new = [source for source in ("data", "task", "pairs") if source in given]
+    if new and (new[0] == "data") != (manifest.get("kind") == "lm"):  # before its settings read as misplaced
+        kinds = {"lm": "a language-model run (--data)", "seq2seq": "a seq2seq run (--task or --pairs)"}
+        raise ValueError(
+            f"--resume: {out} holds {kinds.get(manifest.get('kind'), 'another kind of run')}, and --{new[0]} trains "
+            "the other kind; resume it with its own kind of data, or train into another --out"
+        )
+    if new:  # a new data source replaces the saved one (then checked)
         for source in ("data", "task", "pairs"):
             base.pop(source, None)
     _check_saved_config(base, set(given), latest / "checkpoint.json")

@@ -157,12 +157,13 @@ def corpus_files(data: str | os.PathLike | None = None) -> list[Path]:
 def iter_texts(files: Sequence[Path], chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
     """The corpus as a stream of pieces of at most about ``chunk_chars`` characters.
 
-    Documents are joined by ``DOC_SEPARATOR``; a long file is cut just after a newline, so no piece ends in
+    Documents are joined by ``DOC_SEPARATOR``; a UTF-8 byte-order mark that opens a file is not text (Windows
+    editors write one) and is dropped; a long file is cut just after a newline, so no piece ends in
     the middle of a line (which keeps BPE's word splitting nearly the same as on the whole text); a line longer
     than ``4 * chunk_chars`` is cut where it stands, so memory stays bounded.
     """
     for i, path in enumerate(files):
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
             carry = DOC_SEPARATOR if i else ""
             while True:
                 block = f.read(chunk_chars)
