@@ -53,6 +53,7 @@ _EXPORTS = {
     "CheckpointError": "tformer.training.checkpoint",
     "load_checkpoint": "tformer.training.checkpoint",
     "TransformerConfig": "tformer.config",
+    "ConfigError": "tformer.config",
     "functional": "tformer.functional",
     "FeedForward": "tformer.layers",
     "KVCache": "tformer.layers",
@@ -71,8 +72,10 @@ _EXPORTS = {
     "chat_prompt": "tformer.generation.chat",
     "TrainConfig": "tformer.training.config",
     "TrainResult": "tformer.training.config",
+    "TrainingError": "tformer.training.runtime",
     "train": "tformer.training.trainer",
     "Pretrained": "tformer.interop",
+    "InteropError": "tformer.interop",
     "embed": "tformer.interop",
     "load_pretrained": "tformer.interop",
     "save_pretrained": "tformer.interop",
@@ -99,15 +102,16 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer import functional
-    from tformer.config import TransformerConfig
+    from tformer.config import ConfigError, TransformerConfig
     from tformer.generation.chat import ChatTemplateError, chat_prompt
     from tformer.generation.sampling import generate
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq
-    from tformer.interop import Pretrained, embed, load_pretrained, save_pretrained
+    from tformer.interop import InteropError, Pretrained, embed, load_pretrained, save_pretrained
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
     from tformer.memory import pack_weights
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
     from tformer.quantization import quantize
     from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from tformer.training.config import TrainConfig, TrainResult
+    from tformer.training.runtime import TrainingError
     from tformer.training.trainer import train

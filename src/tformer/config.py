@@ -183,6 +183,7 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name (JSON-ready: a checkpoint's ``model_config``); ``TransformerConfig(**d)`` rebuilds it."""
         return dataclasses.asdict(self)
 
     @property

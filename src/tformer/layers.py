@@ -84,6 +84,7 @@ class StaticKVCache:
         return self.k, self.v
 
     def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (beam search re-ranking): new storage of the same capacity."""
         if self.k is not None:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
@@ -97,6 +98,7 @@ class LayerCache:
     cross_kv: tuple[Tensor, Tensor] | None = None
 
     def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` of the self-attention cache and the cross-attention keys and values."""
         self.self_kv.reorder(index)
         if self.cross_kv is not None:
             self.cross_kv = (self.cross_kv[0].index_select(0, index), self.cross_kv[1].index_select(0, index))
@@ -230,6 +232,7 @@ class FeedForward(nn.Module):
         self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x (B, T, C)`` -> ``W_2 act(W_1 x)``, ``(B, T, C)``: each position on its own."""
         h = self.activation(self.up(x))
         return self.down(self.dropout(h) if self.training else h)  # eval: skip the call (decoding is per-call bound)
 
@@ -245,6 +248,7 @@ class GatedFeedForward(FeedForward):
         self.up = Linear(d_model, 2 * d_ff, bias=bias)  # rows: W_g | W_1
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x (B, T, C)`` -> ``W_2 (act(W_g x) * (W_1 x))``, ``(B, T, C)``."""
         gate, up = self.up(x).chunk(2, dim=-1)  # (B, T, 2 d_ff) -> 2 x (B, T, d_ff)
         h = self.activation(gate) * up
         return self.down(self.dropout(h) if self.training else h)

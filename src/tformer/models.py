@@ -433,9 +433,13 @@ class EncoderDecoder(nn.Module):
     def forward(
         self, src_ids: Tensor, tgt_ids: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
     ) -> Tensor:
+        """Teacher-forced logits ``(B, T, V)`` of ``tgt_ids (B, T)`` given ``src_ids (B, S)``: :meth:`encode`, then
+        :meth:`decode`. Masks: ``True`` = a real token (``None``: no padding); the decoder is causal."""
         return self.decode(tgt_ids, self.encode(src_ids, src_mask), src_mask, tgt_mask)
 
     def new_cache(self) -> list[LayerCache]:
+        """An empty key/value cache of the decoder, one entry per block, for step-by-step decoding (the
+        cross-attention keys and values of the encoder output are computed at the first step and kept)."""
         return self.decoder.new_cache()
 
 
@@ -466,6 +470,8 @@ class DecoderLM(nn.Module):
         return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
 
     def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
+        """An empty key/value cache, one entry per block: growing, or with ``capacity`` static (allocated once for
+        that many positions; :meth:`Decoder.new_cache`)."""
         return self.decoder.new_cache(capacity)
 
 
