@@ -303,5 +303,8 @@ def test_trained_findings_write_ranges_with_to_and_need_two_layers_for_depth():
         in (findings[0])
     )
     assert findings[1].startswith("attention entropy per head, as a share of uniform: 0.90 (mean 0.90)")
-    assert findings[-2] == "gradient norm of W_2 across depth (next-token cross-entropy): top/bottom 2, max/min 2"
+    assert findings[-2].startswith(
+        "gradient norm of W_2 across depth (next-token cross-entropy): top/bottom 2, max/min 2 in this Pre-LN model; "
+        "one checkpoint does not test the claim"
+    )
     assert [row[4] for row in two.tables()[0].rows] == ["3.10 / 4.17", "4.20 / 3.00"]

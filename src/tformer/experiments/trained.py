@@ -183,9 +183,12 @@ class TrainedResult:
                 f"this model has {len(grads)}"
             )
         else:
+            placement = "Pre-LN" if self.norm_first else "Post-LN"
             out.append(
                 f"gradient norm of W_2 across depth ({self.objective}): top/bottom {grads[-1] / grads[0]:.3g}, "
-                f"max/min {max(grads) / min(grads):.3g}"
+                f"max/min {max(grads) / min(grads):.3g} in this {placement} model; one checkpoint does not test the "
+                "claim, which compares the two placements of one model (the layernorm experiment, Q3(b), at "
+                "initialization)"
             )
         out.append(self.text_finding())
         return out
