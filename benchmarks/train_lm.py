@@ -173,6 +173,11 @@ def main() -> None:
     if args.flush_denormal:
         torch.set_flush_denormal(True)
 
+    if not Path(args.data).exists():
+        parser.error(
+            f"--data {args.data} does not exist: the default is the workplace's ../shared/data/tinyshakespeare.txt "
+            "(the figures in BENCHMARKS.md); pass any text file with --data"
+        )
     files = corpus_files(args.data)
     tokenizer = CharTokenizer.train(iter_texts(files), unknown="error")
     corpus = tokenize_corpus(files, tokenizer, val_fraction=0.1)
