@@ -396,6 +396,25 @@ def test_a_static_cache_larger_than_the_machine_is_refused_before_allocating(ran
         generate(random_lm(), [[1, 2, 3]], max_new_tokens=10**12, static_cache=True)
 
 
+def test_the_static_cache_is_checked_against_the_memory_available_not_installed(random_lm, tmp_path, monkeypatch):
+    """Linux's MemAvailable (free memory and droppable caches) is what a new cache can take without swapping; the
+    machine's physical memory only where the OS has no such line."""
+    import os
+
+    from tformer.generation import static
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:     200000 kB\n")
+    assert static._available_memory(str(meminfo)) == (200000 * 1024, "available")
+    installed = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert static._available_memory(str(tmp_path / "missing")) == (installed, "in all")
+    monkeypatch.setattr(static, "_available_memory", lambda: (4096, "available"))
+    with pytest.raises(ValueError, match=r"more than the 0\.0 GiB of memory available; lower max_new_tokens"):
+        generate(
+            random_lm(), [[1, 2, 3]], max_new_tokens=100, static_cache=True
+        )  # 52,736 bytes: K and V x 2 layers x 103 positions x 32 x 4 bytes
+
+
 def test_bad_seed_is_an_error_even_when_nothing_is_generated(random_lm):
     with pytest.raises(ValueError, match="--seed"):
         generate(random_lm(), [[1, 2]], max_new_tokens=0, seed=-1)

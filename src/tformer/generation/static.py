@@ -184,24 +184,40 @@ def auto_static_cache(model: DecoderLM, length: int | None = None) -> bool:
     return all(fused.fits(block) for block in model.decoder.stack.blocks)
 
 
+def _available_memory(meminfo: str = "/proc/meminfo") -> tuple[int, str] | None:
+    """Bytes of memory a new allocation can take without swapping, and what they are: Linux's ``MemAvailable``
+    (free memory plus the caches the kernel can drop), else the machine's physical memory; ``None`` where the OS
+    says neither."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "in all"
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _check_fits(model: DecoderLM, batch: int, positions: int) -> None:
     """``ValueError`` when a static cache of ``positions`` for ``batch`` rows needs more bytes than the machine has
-    (physical memory; where the OS does not say, nothing is checked): it is allocated before the first token, so a
-    huge ``max_new_tokens`` would fail there with an allocator's error even when an EOS would end the row at once."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
+    available (:func:`_available_memory`): it is allocated before the first token, so a huge ``max_new_tokens`` would
+    fail there with an allocator's error, or swap, even when an EOS would end the row at once."""
+    memory = _available_memory()
+    if memory is None:
         return
     cfg = model.cfg
     width = next(model.parameters()).element_size() * cfg.head_dim * cfg.kv_heads
     needed = 2 * cfg.num_layers * batch * positions * width  # keys and values, every block
-    if needed > memory:
+    if needed > memory[0]:
         rows = f"{batch} row{'s' * (batch != 1)}"
         raise ValueError(
-            f"a static cache of {positions} positions for {rows} needs {needed / 2**30:.1f} GiB, more than this "
-            f"machine's {memory / 2**30:.1f} GiB; lower max_new_tokens (--max-new-tokens), or decode on the default "
-            "cache, which grows with the tokens made (static_cache=False and compile=False; tformer sample "
-            "--compile off)"
+            f"a static cache of {positions} positions for {rows} needs {needed / 2**30:.1f} GiB, more than the "
+            f"{memory[0] / 2**30:.1f} GiB of memory {memory[1]}; lower max_new_tokens (--max-new-tokens), or decode "
+            "on the default cache, which grows with the tokens made (static_cache=False and compile=False; tformer "
+            "sample --compile off)"
         )
 
 
