@@ -74,6 +74,12 @@ def test_compiled_decoding_gives_eager_tokens_and_compiles_once_per_bucket(rando
     again = generate(model, random_prompts([5, 11], seed=1), max_new_tokens=30, greedy=True, compile=True)
     assert counters["stats"]["unique_graphs"] - before == graphs
     assert again == generate(model, random_prompts([5, 11], seed=1), max_new_tokens=30, greedy=True)
+    # another model of the same structure: the graphs take the weights as inputs, so it reuses them
+    other = random_lm(seed=1)
+    assert generate(other, prompts, max_new_tokens=20, greedy=True, compile=True) == generate(
+        other, prompts, max_new_tokens=20, greedy=True
+    )
+    assert counters["stats"]["unique_graphs"] - before == graphs
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ LAST_TIMINGS: dict[str, float] = {}
 
 
 REPLAY = True  # False: every compiled CPU step goes through dynamo (benchmarks/decode.py measures the difference)
-RECOMPILE_LIMIT = 64  # graphs of the compiled decode function dynamo keeps: 2 per model dtype x batch x bucket
+RECOMPILE_LIMIT = 64  # graphs of the compiled decode function dynamo keeps: 2 per structure x dtype x batch x bucket
 AUTO_COMPILE_DEVICES = ("cuda",)  # where --compile auto compiles (auto_compile says why)
 
 
@@ -77,10 +77,10 @@ def _recompile_limit_error() -> RuntimeError:
     limit = torch._dynamo.config.recompile_limit
     return RuntimeError(
         f"torch.compile keeps at most {limit} graphs of compiled decoding per process (torch._dynamo.config."
-        "recompile_limit), and this generation needs another: each model dtype, batch size and shape bucket (prompt "
-        f"and capacity rounded up to {BUCKET} tokens) takes two. Free them with torch._dynamo.reset() (later calls "
-        "compile again), raise the limit, or decode uncompiled (compile=False; static_cache=True keeps the same "
-        "shapes)"
+        "recompile_limit), and this generation needs another: each model structure, dtype, batch size and shape "
+        f"bucket (prompt and capacity rounded up to {BUCKET} tokens) takes two. Free them with torch._dynamo.reset() "
+        "(later calls compile again), raise the limit, or decode uncompiled (compile=False; static_cache=True keeps "
+        "the same shapes)"
     )
 
 
