@@ -513,8 +513,8 @@ def test_the_summary_says_what_each_figure_covers(tmp_path):
     ]
     result.val_accuracy, result.trained_held_out = 0.5, 12
     assert summary(result).splitlines()[3] == (
-        "held-out exact match 50.0% (12 held-out sources are too short to keep out of training: it may have trained "
-        "on them)"
+        "held-out exact match 50.0% (12 held-out examples have sources too short to keep out of training: it may "
+        "have seen them)"
     )
 
 

@@ -188,9 +188,9 @@ def summary(result) -> str:
         at = "" if evaluated == result.step else f" (at step {evaluated}, the last evaluation)"
         lines.append(f"validation loss {result.val_loss:.4f}{at}")
     if result.val_accuracy is not None:
-        seen = result.trained_held_out
-        also = f" ({seen} held-out sources are too short to keep out of training: it may have trained on them)"
-        also = also if seen else ""
+        seen, also = result.trained_held_out, ""
+        if seen:
+            also = f" ({seen} held-out examples have sources too short to keep out of training: it may have seen them)"
         lines.append(f"held-out exact match {100 * result.val_accuracy:.1f}%{also}")
     lines.append(f"checkpoint {result.checkpoint}")
     lines.append(f"metrics {result.out / 'metrics.jsonl'}, loss plot {result.out / 'loss.png'}")

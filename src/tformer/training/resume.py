@@ -120,10 +120,14 @@ def check_same_data(cfg: TrainConfig, ckpt: Checkpoint, digest: str | None) -> N
     if saved is None or digest is None or saved == digest:
         return
     source = f"--data {cfg.data}" if cfg.data is not None else f"--pairs {cfg.pairs}"
+    fresh = (  # --init-from starts language-model runs only
+        f"start a new run from these weights into another --out (--init-from {cfg.out})"
+        if cfg.kind == "lm"
+        else "train a new run into another --out"
+    )
     raise ValueError(
         f"cannot resume {ckpt.path}: {source} holds other text than the run trained on (its token ids differ from "
-        "the saved run's: files were edited, added or removed since); restore the data as it was, or start a new run "
-        f"from these weights into another --out (--init-from {cfg.out})"
+        f"the saved run's: files were edited, added or removed since); restore the data as it was, or {fresh}"
     )
 
 
