@@ -34,7 +34,9 @@ def _argument(flag: str, dest: str, annotation: Any, help_text: str, default: An
     kind = _plain(annotation)
     kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
     shown = "" if default is None or isinstance(default, bool) else f" (default {_show(default)})"
-    if kind is bool:  # --x and --no-x: a resumed run can turn off what the saved run turned on, and back
+    if kind is bool and dest == "resume":  # what this command does, not a setting a run keeps: no --no-resume
+        kwargs["action"] = "store_true"
+    elif kind is bool:  # --x and --no-x: a resumed run can turn off what the saved run turned on, and back
         kwargs["action"] = argparse.BooleanOptionalAction
         flag = "--" + flag.removeprefix("--").removeprefix("no-")
     elif get_origin(kind) is Literal:
