@@ -474,6 +474,7 @@ def test_resume_can_turn_off_what_the_run_turned_on_and_notes_a_new_attention_ba
     assert (resumed().compile, resumed().progress) == (True, False)  # the saved values
     with pytest.raises(SystemExit):  # --resume is what the command does, not a setting with an off form
         cli.build_parser().parse_args(["train", "--out", str(out), "--no-resume"])
+    assert "unrecognized arguments: --no-resume" in capsys.readouterr().err
     cfg = resumed("--no-compile", "--progress", "--attn-backend", "sdpa")
     assert (cfg.compile, cfg.progress, cfg.model["attn_backend"]) == (False, True, "sdpa")
     assert capsys.readouterr().err.splitlines() == [
