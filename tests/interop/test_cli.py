@@ -155,6 +155,24 @@ def test_convert_refuses_an_encoder_as_a_run_and_writes_nothing(saved, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_convert_of_a_trained_seq2seq_run_says_no_train_flag_makes_it_exportable(random_seq2seq, tmp_path, capsys):
+    """tformer train's seq2seq runs have RoPE-style interleaved pairs and no logits bias, which no train flag
+    changes: the refusal says so and where the run can be used, and writes nothing."""
+    from tformer.training.checkpoint import save_checkpoint
+    from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
+
+    tok = CharTokenizer("abc", SEQ2SEQ_SPECIALS)
+    model = random_seq2seq(vocab=tok.vocab_size, dtype=torch.float32)
+    save_checkpoint(tmp_path / "s2s", model=model, tokenizer=tok, kind="seq2seq", step=1, train_config={})
+    code, _, err = cli(capsys, "convert", str(tmp_path / "s2s"), "--out", str(tmp_path / "hf"))
+    assert code == 2 and "closest: marian" in err
+    assert err.rstrip().endswith(
+        "A seq2seq run of tformer train exports to none: no train flag sets pair_layout or logits_bias, which "
+        "Marian's layout needs; tformer translate and explore read the run itself"
+    )
+    assert not (tmp_path / "hf").exists()
+
+
 def test_convert_refuses_a_folder_that_is_not_empty(tiny_gguf, tmp_path, capsys):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")

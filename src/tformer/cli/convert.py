@@ -48,7 +48,7 @@ def _check_out(out: str) -> Path:
 
 def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
     """Convert ``src`` into ``out``; returns the path written and what it now holds, in words."""
-    from tformer.interop import is_pretrained, load_pretrained, save_pretrained
+    from tformer.interop import InteropError, is_pretrained, load_pretrained, save_pretrained
     from tformer.models import DecoderLM
 
     path = _check_out(out)
@@ -66,7 +66,15 @@ def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
         return _to_run(pretrained, path), f"a tformer {kind} run ({stored})"
     ckpt = load_run(src, None, "cpu", "convert")
     ckpt.model.to(torch_dtype(dtype) if dtype is not None else _stored_dtype(ckpt.path))
-    save_pretrained(ckpt.model, path, tokenizer=ckpt.tokenizer, generation=_generation(ckpt))
+    try:
+        save_pretrained(ckpt.model, path, tokenizer=ckpt.tokenizer, generation=_generation(ckpt))
+    except InteropError as err:
+        if ckpt.kind == "seq2seq" and "converted_from" not in ckpt.train_config:
+            raise InteropError(
+                f"{err}. A seq2seq run of tformer train exports to none: no train flag sets pair_layout or "
+                "logits_bias, which Marian's layout needs; tformer translate and explore read the run itself"
+            ) from None
+        raise
     if not (path / "tokenizer.json").is_file():
         print(
             f"tformer convert: note: the run's {ckpt.tokenizer.kind} tokenizer has no tokenizer.json form "
