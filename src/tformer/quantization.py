@@ -110,7 +110,8 @@ class Int8Linear(nn.Module):
 def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, and a tied output head by an
     int8 copy of the embedding; returns ``model`` in eval mode, its CPU tensors in one block of memory
-    (:func:`tformer.memory.pack_weights`). Embeddings and norms keep their dtype."""
+    (:func:`tformer.memory.pack_weights`). Embeddings and norms keep their dtype. A model without a linear layer, or a
+    bare ``nn.Linear`` (it is replaced in its parent), is an error."""
     if not isinstance(model, nn.Module):
         pretrained = " (a Pretrained: quantize its .model)" if hasattr(model, "model") else ""
         raise TypeError(f"quantize takes a model (an nn.Module); got a {type(model).__name__}{pretrained}")
@@ -118,6 +119,13 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
         raise ValueError(f"unknown quantization scheme {scheme!r}; tformer has 'int8' (weight-only, per channel)")
     if is_quantized(model):
         raise ValueError("this model is already quantized")
+    if isinstance(model, nn.Linear):  # replaced in its parent, so a layer alone cannot be
+        raise TypeError(
+            "quantize replaces the nn.Linear layers inside a model; for one layer use "
+            "tformer.quantization.Int8Linear.from_weight(layer.weight, layer.bias)"
+        )
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        raise ValueError(f"this {type(model).__name__} has no nn.Linear layer to quantize")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

@@ -96,6 +96,10 @@ def test_quantize_replaces_every_linear_and_the_tied_head():
     assert weight_bytes(model) < before  # int8 codes replace float32 matrices (the float embedding stays)
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model)
+    with pytest.raises(TypeError, match=r"for one layer use tformer\.quantization\.Int8Linear\.from_weight"):
+        quantize(nn.Linear(4, 4))  # replaced in its parent: a layer alone would come back unchanged
+    with pytest.raises(ValueError, match="this Embedding has no nn.Linear layer to quantize"):
+        quantize(nn.Embedding(4, 4))
     with pytest.raises(ValueError, match="unknown quantization scheme 'int4'"):
         quantize(tiny_lm(), "int4")
     with pytest.raises(TypeError, match=r"^quantize takes a model \(an nn.Module\); got a SimpleNamespace \(a "):
