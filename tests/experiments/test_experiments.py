@@ -85,6 +85,13 @@ def test_saturation_jacobian_vanishes_and_unscaled_attention_collapses():
     # an untrained layer: with 1/sqrt(d_k) attention stays near uniform; without, it collapses at large d_k
     assert r.entropy_scaled[-1] > 0.9 * math.log(32)
     assert r.entropy_unscaled[-1] < 0.5 * r.entropy_scaled[-1]
+    # the layer's Jacobians, read against the claim: which is smaller decides the words
+    reading = r.findings()[-1]
+    smaller = r.jacobian_unscaled[-1] < r.jacobian_scaled[-1]
+    assert reading.endswith(": unscaled, the smaller, as the claim says") == smaller
+    assert ("against the claim at this size" in reading) == (not smaller)
+    r.jacobian_unscaled[-1] = 2 * r.jacobian_scaled[-1]  # as at the report's sizes: past the peak, not saturated
+    assert r.findings()[-1].endswith("(the sweep's norm falls below its std-1 value only past std 16)")
 
 
 def test_complexity_reference_memory_grows_faster_than_fused():

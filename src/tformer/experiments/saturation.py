@@ -134,7 +134,7 @@ class SaturationResult:
             f"with 1/sqrt(d_k) (uniform: {fmt(self.max_entropy)}) vs {fmt(self.entropy_unscaled[-1])} without "
             f"(unscaled logit std {fmt(self.logit_std_unscaled[-1])}: PyTorch's default Linear init gives q, k "
             f"entries of variance 1/3, so std ~ sqrt(d_k)/3); Jacobian norm {fmt(self.jacobian_scaled[-1])} vs "
-            f"{fmt(self.jacobian_unscaled[-1])}",
+            f"{fmt(self.jacobian_unscaled[-1])}{self._unscaled_reading(i1, peak)}",
         ]
         if peak > 0:
             lines.insert(
@@ -143,6 +143,20 @@ class SaturationResult:
                 f"= {fmt(uniform)}; the claim's 'Jacobian -> 0' is the large-logit end",
             )
         return lines
+
+    def _unscaled_reading(self, i1: int, peak: int) -> str:
+        """Whether the untrained layer's unscaled Jacobian is the smaller, as the claim has it; where it is not, how
+        far its logit scale is from the sweep's saturation (the std past the peak where the norm falls below its
+        value at std 1)."""
+        if self.jacobian_unscaled[-1] < self.jacobian_scaled[-1]:
+            return ": unscaled, the smaller, as the claim says"
+        below = [s for i, s in enumerate(self.sigmas) if i > peak and self.jacobian_norm[i] < self.jacobian_norm[i1]]
+        where = f"only past std {fmt(below[0])}" if below else "nowhere in the sweep"
+        return (
+            f": unscaled, not the smaller, against the claim at this size: logit std "
+            f"{fmt(self.logit_std_unscaled[-1])} is past the Jacobian's peak but short of saturation (the sweep's "
+            f"norm falls below its std-1 value {where})"
+        )
 
     def plot(self, out_dir: Path) -> list[Path]:
         fig, axes = new_figure(ncols=3, size=(4.0, 3.4))
