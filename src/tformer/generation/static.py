@@ -10,7 +10,7 @@ step): "compiled once per shape bucket". What is compiled is one function that c
 (:func:`compiled_forward`), so dynamo's graphs take the weights as inputs and keep no model alive: a model deleted
 is freed, and later calls of a bucket reuse its graphs. The batch size and the dtype are part of the shape too.
 Dynamo keeps at most :data:`RECOMPILE_LIMIT` graphs of that function per process (two per model dtype x batch size
-x bucket; models of one structure share them); past it a ``RuntimeError`` names the fix, ``torch._dynamo.reset()``.
+x bucket, models of one structure sharing them); past it a ``RuntimeError`` names the fix, ``torch._dynamo.reset()``.
 
 On CUDA the step runs with ``mode="reduce-overhead"`` (CUDA graphs: one launch per step). On the CPU it runs
 inductor's C++ kernels (fused element-wise work) without inductor's per-call checks of its inputs' sizes and
@@ -55,22 +55,23 @@ def _call(model: DecoderLM, *args):
     return model(*args)
 
 
-def compiled_forward(model: DecoderLM):
+def compiled_forward(model: DecoderLM) -> tuple[object, _Recorder | None]:
     """``model``'s forward through ``torch.compile``: a compiled function that calls the model it is given, made once
-    per device kind. The model is the function's argument, not something the compiled object holds, so compiling a
+    per device kind; and the :class:`_Recorder` its CPU graphs report to (``None`` on CUDA, whose graphs are CUDA
+    graphs). The model is the function's argument, not something the compiled object holds, so compiling a
     model does not keep it alive (``torch.compile(model)`` in a table would: the compiled module holds its model).
     Every model, dtype, batch size and shape bucket is a graph of this one function, so dynamo's recompile limit
     (8 by default, for the whole process) is raised to :data:`RECOMPILE_LIMIT`."""
     kernels.ready()  # build or load the bfloat16 kernel now: a graph being traced does not build it
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    kind = next(model.parameters()).device.type
-    if kind not in _COMPILED:
-        if kind == "cuda":
-            _COMPILED[kind] = torch.compile(_call, mode="reduce-overhead", dynamic=False, fullgraph=True)
+    cuda = next(model.parameters()).device.type == "cuda"
+    if cuda not in _COMPILED:
+        if cuda:
+            _COMPILED[cuda] = torch.compile(_call, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:  # the step's Python wrapper runs per token: skip its input-stride asserts (dynamo's guards hold them)
-            _COMPILED[kind] = torch.compile(_call, backend=RECORDER, dynamic=False, fullgraph=True)
-    return functools.partial(_COMPILED[kind], model)
+            _COMPILED[cuda] = torch.compile(_call, backend=RECORDER, dynamic=False, fullgraph=True)
+    return functools.partial(_COMPILED[cuda], model), None if cuda else RECORDER
 
 
 def _recompile_limit_error() -> RuntimeError:
@@ -105,7 +106,7 @@ class _Recorder:
 
 
 RECORDER = _Recorder({"size_asserts": False})  # the CPU graphs' backend; StaticLM clears its note after each call
-_COMPILED: dict[str, object] = {}  # device kind -> torch.compile of _call
+_COMPILED: dict[bool, object] = {}  # on CUDA (CUDA graphs) or not -> torch.compile of _call
 
 
 def auto_compile(model: DecoderLM, length: int | None = None) -> bool:
@@ -208,14 +209,15 @@ def _check_fits(model: DecoderLM, batch: int, positions: int) -> None:
     memory = _available_memory()
     if memory is None:
         return
+    available, what = memory
     cfg = model.cfg
     width = next(model.parameters()).element_size() * cfg.head_dim * cfg.kv_heads
     needed = 2 * cfg.num_layers * batch * positions * width  # keys and values, every block
-    if needed > memory[0]:
+    if needed > available:
         rows = f"{batch} row{'s' * (batch != 1)}"
         raise ValueError(
             f"a static cache of {positions} positions for {rows} needs {needed / 2**30:.1f} GiB, more than the "
-            f"{memory[0] / 2**30:.1f} GiB of memory {memory[1]}; lower max_new_tokens (--max-new-tokens), or decode "
+            f"{available / 2**30:.1f} GiB of memory {what}; lower max_new_tokens (--max-new-tokens), or decode "
             "on the default cache, which grows with the tokens made (static_cache=False and compile=False; tformer "
             "sample --compile off)"
         )
@@ -254,9 +256,7 @@ class StaticLM:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column, advanced in place
         self.token = ids.new_zeros(B, 1)  # the step's input: the same tensor at every step, its value copied in
         self.cache = model.new_cache(self.capacity)
-        self.forward = compiled_forward(model) if compile else model
-        cpu_graphs = compile and ids.device.type not in ("cuda",)  # the devices compiled_forward gives CUDA graphs
-        self.recorder: _Recorder | None = RECORDER if cpu_graphs else None
+        self.forward, self.recorder = compiled_forward(model) if compile else (model, None)
         self.replay: tuple | None = None  # (graph, arguments): the compiled step, called without dynamo
         self.compiled = compile
         self.steps = 0

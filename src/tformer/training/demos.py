@@ -23,7 +23,8 @@ from tformer.training.checkpoint import CHECKPOINTS_DIR, MANIFEST, list_checkpoi
 from tformer.training.config import TrainConfig, TrainResult
 from tformer.training.corpus import DOC_SEPARATOR
 from tformer.training.datasets import task_held_out
-from tformer.training.rundir import LOCK_FILE, METRICS_FILE, run_lock
+from tformer.training.resume import RUN_OUTPUTS
+from tformer.training.rundir import LOCK_FILE, run_lock
 from tformer.training.tasks import SPECIALS, SequenceTask
 from tformer.training.tokenizers import BOS_ID, EOS_ID, SEQ2SEQ_SPECIALS
 from tformer.training.trainer import train
@@ -63,7 +64,7 @@ DEMO_IDENTITY = (
     "save_every",
     "log_every",
 )
-RUN_FILES = (LOCK_FILE, METRICS_FILE, "loss.png", CHECKPOINTS_DIR)  # what a run writes into OUT
+RUN_FILES = (LOCK_FILE, *RUN_OUTPUTS, CHECKPOINTS_DIR)  # what a run writes into OUT
 
 
 def demo_config(out: str, steps: int = DEMO["steps"], progress: bool = True) -> TrainConfig:
@@ -116,7 +117,7 @@ def clear_demo_run(out: Path, cfg: TrainConfig) -> None:
     check_demo_may_replace(out, cfg)
     with run_lock(out):  # fails at once if another run is writing there; train() takes the lock again
         check_demo_may_replace(out, cfg)  # the folder is ours only now
-        for stale in (out / CHECKPOINTS_DIR, out / METRICS_FILE, out / "loss.png"):  # the demo starts afresh
+        for stale in (out / CHECKPOINTS_DIR, *(out / name for name in RUN_OUTPUTS)):  # the demo starts afresh
             if stale.is_dir():
                 shutil.rmtree(stale)
             elif stale.exists():

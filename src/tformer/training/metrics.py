@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+PLOT_FILE = "loss.png"  # drawn next to metrics.jsonl when the log closes
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
@@ -87,6 +89,6 @@ class MetricsLog:
         self._file.flush()
 
     def close(self, title: str) -> None:
-        """Close the file and draw the loss plot next to it (``loss.png``)."""
+        """Close the file and draw the loss plot next to it (:data:`PLOT_FILE`)."""
         self._file.close()
-        plot_loss(read_metrics(self.path), self.path.parent / "loss.png", title=title)
+        plot_loss(read_metrics(self.path), self.path.parent / PLOT_FILE, title=title)

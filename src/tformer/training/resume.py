@@ -19,8 +19,10 @@ from tformer.training.checkpoint import (
     read_manifest,
 )
 from tformer.training.config import STRUCTURAL, TrainConfig
+from tformer.training.metrics import PLOT_FILE
+from tformer.training.rundir import METRICS_FILE
 
-RUN_OUTPUTS = ("metrics.jsonl", "loss.png")  # what a fresh run writes into OUT besides its checkpoints
+RUN_OUTPUTS = (METRICS_FILE, PLOT_FILE)  # what a run writes into OUT besides its checkpoints and lock
 
 
 def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> CheckpointError:
@@ -58,9 +60,8 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Checkpoint | None:
                 f"{cfg.out} already holds checkpoints (latest {latest.name}); pass --resume to "
                 "continue that run, or choose another --out"
             )
-        written = [
-            name for name in RUN_OUTPUTS if (Path(cfg.out) / name).is_file() and (Path(cfg.out) / name).stat().st_size
-        ]
+        outputs = [Path(cfg.out) / name for name in RUN_OUTPUTS]
+        written = [path.name for path in outputs if path.is_file() and path.stat().st_size]
         if written:
             raise FileExistsError(
                 f"{cfg.out} holds {' and '.join(written)} of a run that saved no checkpoint (or files of that name), "

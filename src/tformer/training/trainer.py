@@ -129,6 +129,7 @@ class Trainer:
         self.bar = None
         self._window = (time.perf_counter(), 0)  # (start, tokens) of the current tokens/s measurement
         self.paused_s = 0.0  # seconds of evaluations and saves: not training time
+        self.label_smoothing = cfg.label_smoothing if cfg.kind == "seq2seq" else 0.0  # of the training loss alone
 
     @classmethod
     def prepare(
@@ -366,7 +367,7 @@ class Trainer:
         """
         cfg, world, device = self.cfg, self.world, self.device
         scale = world.size / batch.num_tokens
-        smoothing = cfg.label_smoothing if cfg.kind == "seq2seq" else 0.0
+        smoothing = self.label_smoothing
         total = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             first = (micro * world.size + world.rank) * self.micro_rows
@@ -399,9 +400,10 @@ class Trainer:
     def _paused(self):
         paused = time.perf_counter()
         yield
+        elapsed = time.perf_counter() - paused
         start, tokens = self._window
-        self._window = (start + time.perf_counter() - paused, tokens)
-        self.paused_s += time.perf_counter() - paused
+        self._window = (start + elapsed, tokens)
+        self.paused_s += elapsed
 
     def _record(self, entry: dict) -> None:
         if self.metrics is not None:
@@ -434,7 +436,7 @@ class Trainer:
             checkpoint=find_latest(out) if out is not None else None,
             interrupted=interrupted,
             num_parameters=self.num_parameters,
-            label_smoothing=self.cfg.label_smoothing if self.cfg.kind == "seq2seq" else 0.0,
+            label_smoothing=self.label_smoothing,
             trained_held_out=self.data.trained_held_out,
             model=self.model.eval(),
             tokenizer=self.data.tokenizer,
