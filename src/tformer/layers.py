@@ -74,8 +74,16 @@ class StaticKVCache:
         self.v: Tensor | None = None
         self.slots: Tensor | None = None  # (T,) long: the columns the next update writes
 
+    def allocate(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the storage now, zeros ``(batch, kv_heads, capacity, head_dim)`` for keys and values, rather than
+        at the first :meth:`update`. A compiled caller must: storage made inside a CUDA graph belongs to the graph's
+        memory pool, which the next graph reuses (the first step after a prefill then failed in Triton's launcher)."""
+        self.k = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write ``k, v (B, Hkv, T, D)`` at columns ``slots``; return the whole storage ``(B, Hkv, capacity, D)``."""
+        """Write ``k, v (B, Hkv, T, D)`` at columns ``slots``; return the whole storage ``(B, Hkv, capacity, D)``
+        (allocated at the first call, unless :meth:`allocate` did it before)."""
         if self.k is None:
             self.k = k.new_zeros(*k.shape[:-2], self.capacity, k.shape[-1])
             self.v = v.new_zeros(*v.shape[:-2], self.capacity, v.shape[-1])

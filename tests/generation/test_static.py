@@ -191,3 +191,19 @@ def test_past_dynamos_recompile_limit_the_error_names_the_fix(random_lm, random_
     with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(RuntimeError, match=expected):
         generate(model, random_prompts([3]), max_new_tokens=4, greedy=True, compile=True)
     torch._dynamo.reset()  # the next test's graphs start from nothing
+
+
+def test_the_static_cache_is_allocated_before_any_graph_runs(random_lm):
+    """Storage made inside a CUDA graph belongs to the graph's memory pool: compiled decoding on CUDA failed at its
+    first step when the prefill's graph allocated the cache. StaticLM allocates every layer's keys and values first,
+    in the model's dtype, and the forward writes into that storage."""
+    model = random_lm(dtype=torch.bfloat16)
+    ids, mask = pad_left([[1, 2, 3], [4, 5]], 0)
+    lm = StaticLM(model, ids, mask, max_new_tokens=4, compile=False)
+    shape = (2, model.cfg.kv_heads, lm.capacity, model.cfg.head_dim)
+    before = [(layer.self_kv.k, layer.self_kv.v) for layer in lm.cache]
+    assert all(k.shape == v.shape == shape and k.dtype == torch.bfloat16 for k, v in before)
+    with torch.inference_mode():
+        lm.prefill()
+    assert all(layer.self_kv.k is k and layer.self_kv.v is v for layer, (k, v) in zip(lm.cache, before, strict=True))
+    assert all(k[:, :, :3].abs().sum() > 0 for k, _ in before)  # the prompt's keys landed in it

@@ -256,6 +256,9 @@ class StaticLM:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column, advanced in place
         self.token = ids.new_zeros(B, 1)  # the step's input: the same tensor at every step, its value copied in
         self.cache = model.new_cache(self.capacity)
+        dtype = model.decoder.embed.tokens.weight.dtype  # what the blocks compute in, and their keys and values
+        for layer in self.cache:  # before any graph runs: a CUDA graph must not own the storage (allocate says why)
+            layer.self_kv.allocate(B, model.cfg.kv_heads, model.cfg.head_dim, dtype, device)
         self.forward, self.recorder = compiled_forward(model) if compile else (model, None)
         self.replay: tuple | None = None  # (graph, arguments): the compiled step, called without dynamo
         self.compiled = compile
