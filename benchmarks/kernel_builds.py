@@ -4,7 +4,8 @@ memory-bandwidth bound, one process per build, the builds alternated.
 The kernels are compiled on first use with ``-march=native``, and ``TFORMER_KERNEL_CFLAGS`` adds flags (each set of
 flags is its own cached build). The files read some of those flags as knobs for measuring a CPU:
 ``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: into which cache the matrix-vector loops prefetch the weights; how far ahead
-is a run-time setting, ``tformer.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` sets for a process),
+is a run-time setting, ``tformer.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` (bfloat16 weights),
+``TFORMER_PREFETCH_ROWS_F32`` and ``TFORMER_PREFETCH_ROWS_INT8`` set for a process),
 and ``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of a plain OpenMP region). Which setting is
 fastest is a fact about one CPU; this script is how the defaults were chosen.
 

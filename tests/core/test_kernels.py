@@ -136,14 +136,16 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
     distance, including one past the end of a thread's rows (SPLIT: 500 and 501 rows a thread)."""
     x, w, b = case(*SPLIT)
     layer = Int8Linear.from_weight(w, b)
-    before = kernels.prefetch_rows(), kernels.prefetch_rows(int8=True)
-    assert before == (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True))
+    kinds = kernels.WEIGHT_KINDS
+    before = [kernels.prefetch_rows(weights=kind) for kind in kinds]
+    assert before == [kernels.default_prefetch_rows(kind) for kind in kinds]
     results = []
     try:
         for rows in (0, 1, 8, 1024):
-            kernels.prefetch_rows(rows)
-            kernels.prefetch_rows(1024 - rows, int8=True)  # the two settings apart
-            assert (kernels.prefetch_rows(), kernels.prefetch_rows(int8=True)) == (rows, 1024 - rows)
+            settings = {"bfloat16": rows, "float32": 1024 - rows, "int8": rows // 2}  # the three settings apart
+            for kind in kinds:
+                kernels.prefetch_rows(settings[kind], weights=kind)
+            assert {kind: kernels.prefetch_rows(weights=kind) for kind in kinds} == settings
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
@@ -152,13 +154,15 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
                 )
             )
     finally:
-        kernels.prefetch_rows(before[0])
-        kernels.prefetch_rows(before[1], int8=True)
+        for kind, rows in zip(kinds, before, strict=True):
+            kernels.prefetch_rows(rows, weights=kind)
     for other in results[1:]:
         assert all(torch.equal(a, c) for a, c in zip(results[0], other, strict=True))
     for bad in (-1, 1025, 2.0, True):
         with pytest.raises(ValueError, match="need an int from 0"):
             kernels.prefetch_rows(bad)
+    with pytest.raises(ValueError, match="weights='int4': need one of 'bfloat16', 'float32', 'int8'"):
+        kernels.prefetch_rows(weights="int4")
 
 
 def test_any_thread_count_gives_the_bits_of_one_thread():
@@ -183,18 +187,28 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
 
 
 def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
+    def defaults():
+        return tuple(kernels.default_prefetch_rows(kind) for kind in kernels.WEIGHT_KINDS)  # bfloat16, float32, int8
+
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "3")
+    monkeypatch.setenv("TFORMER_PREFETCH_ROWS_F32", "5")
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS_INT8", "0")
-    assert (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True)) == (3, 0)
-    monkeypatch.delenv("TFORMER_PREFETCH_ROWS_INT8")
+    assert defaults() == (3, 5, 0)
+    for name in ("TFORMER_PREFETCH_ROWS_INT8", "TFORMER_PREFETCH_ROWS_F32"):
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "many")
     with pytest.raises(ValueError, match="TFORMER_PREFETCH_ROWS='many'"):
         kernels.default_prefetch_rows()
     monkeypatch.delenv("TFORMER_PREFETCH_ROWS")
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
-    assert (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True)) == (0, 8)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma avx512f avx512_bf16")  # Zen 4, Zen 5
+    assert defaults() == (0, 0, 8)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: bfloat16 widened by AVX2
+    assert defaults() == (8, 0, 8)
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
-    assert (kernels.default_prefetch_rows(), kernels.default_prefetch_rows(int8=True)) == (8, 8)
+    assert defaults() == (8, 8, 8)
+    with pytest.raises(ValueError, match="weights='float16'"):
+        kernels.default_prefetch_rows("float16")
 
 
 def test_a_quantized_layer_decodes_on_the_int8_kernel_and_prefills_on_torchs():

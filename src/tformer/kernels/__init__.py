@@ -125,8 +125,8 @@ def ready() -> bool:
         torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
         torch.library.register_fake("tformer::decode_blocks")(_block_shape)
-        torch.ops.tformer.gemv_prefetch(default_prefetch_rows(), False)
-        torch.ops.tformer.gemv_prefetch(default_prefetch_rows(int8=True), True)
+        for index, weights in enumerate(WEIGHT_KINDS):
+            torch.ops.tformer.gemv_prefetch(default_prefetch_rows(weights), index)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         message = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]  # the compiler's own
@@ -153,14 +153,32 @@ def _built(name: str) -> bool:
     return (Path(folder) / f"{name}.so").is_file()
 
 
-def default_prefetch_rows(int8: bool = False) -> int:
-    """The software prefetch distance the kernels start with, for float weights or (``int8``) int8 codes:
-    ``TFORMER_PREFETCH_ROWS`` (float) or ``TFORMER_PREFETCH_ROWS_INT8`` if set, else 8, except for float weights on
-    AMD CPUs: 0 (:func:`prefetch_rows`)."""
-    name = "TFORMER_PREFETCH_ROWS_INT8" if int8 else "TFORMER_PREFETCH_ROWS"
+# The kinds of weights with a prefetch distance each, in the order of gemv.cpp's enum Weights.
+WEIGHT_KINDS = ("bfloat16", "float32", "int8")
+_PREFETCH_VARIABLES = {
+    "bfloat16": "TFORMER_PREFETCH_ROWS",
+    "float32": "TFORMER_PREFETCH_ROWS_F32",
+    "int8": "TFORMER_PREFETCH_ROWS_INT8",
+}
+
+
+def _check_weights(weights: str) -> None:
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights={weights!r}: need one of {', '.join(map(repr, WEIGHT_KINDS))}")
+
+
+def default_prefetch_rows(weights: str = "bfloat16") -> int:
+    """The software prefetch distance the kernels start with for ``weights`` (``"bfloat16"``, ``"float32"`` or
+    ``"int8"`` codes): ``TFORMER_PREFETCH_ROWS`` (bfloat16), ``TFORMER_PREFETCH_ROWS_F32`` or
+    ``TFORMER_PREFETCH_ROWS_INT8`` if set, else by the rule :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs
+    for float32, and for bfloat16 where the CPU multiplies bfloat16 natively (``avx512_bf16``: Zen 4, Zen 5)."""
+    _check_weights(weights)
+    name = _PREFETCH_VARIABLES[weights]
     value = os.environ.get(name)
     if value is None:
-        return 0 if not int8 and "AuthenticAMD" in _cpu_vendor() else 8
+        if "AuthenticAMD" not in _cpu_vendor() or weights == "int8":
+            return 8
+        return 0 if weights == "float32" or "avx512_bf16" in _cpu_flags().split() else 8
     if not value.isdigit() or int(value) > 1024:
         raise ValueError(f"{name}={value!r}: need a number of rows from 0 (no software prefetch) to 1024")
     return int(value)
@@ -170,22 +188,27 @@ def _cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
-def prefetch_rows(rows: int | None = None, *, int8: bool = False) -> int:
+def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
     """How many rows of a weight matrix ahead each thread of a matrix-vector kernel asks the CPU for (a software
-    prefetch into L2; 0: none, the hardware prefetchers alone), for float weights (bfloat16, float32) or, with
-    ``int8``, for int8 codes; set it to ``rows`` if given. Returns the distance in force before the call (0 when the
-    kernels are not built).
+    prefetch into L2; 0: none, the hardware prefetchers alone), for one kind of ``weights``: ``"bfloat16"``,
+    ``"float32"`` or ``"int8"`` codes; set it to ``rows`` if given. Returns the distance in force before the call (0
+    when the kernels are not built).
 
     The defaults (:func:`default_prefetch_rows`) follow what was measured on weights packed by
-    :func:`tformer.memory.pack_weights`: on an AMD EPYC (Zen 4) a compiled SmolLM2-135M bfloat16 step took 0.85-0.92
-    of its time without a software prefetch as with 8 rows ahead, an int8 step 0.89 of its time with 8 rows ahead as
-    without; on an Intel Xeon, no prefetch was 10-20% slower (bfloat16; BENCHMARKS.md). A setting of the process, read
-    by every call (``benchmarks/decode_step.py`` compares settings burst by burst)."""
+    :func:`tformer.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; BENCHMARKS.md): a loop that
+    converts each weight before multiplying needs the prefetch, one that multiplies the weights as read does not.
+    On an AMD EPYC Zen 4 (native bfloat16 products) a bfloat16 step took 0.85-0.92 of its time without a software
+    prefetch as with 8 rows ahead; on a Zen 3 (AVX2: each bfloat16 widened to float32 first) 0.98 of its time with 8
+    rows as without (median of five runs, 0.95-1.01), and a float32 step 1.11-1.14 of its time with them. An int8
+    step (its codes widened) took 0.89 of its time with 8 rows ahead as without (Zen 4); on an Intel Xeon, no
+    prefetch was 10-20% slower (bfloat16). A setting of the process, read by every call (``benchmarks/decode_step.py``
+    compares settings burst by burst)."""
+    _check_weights(weights)
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 1024):
         raise ValueError(f"prefetch_rows: rows={rows!r}; need an int from 0 (no software prefetch) to 1024")
     if not ready():
         return 0
-    return int(torch.ops.tformer.gemv_prefetch(-1 if rows is None else rows, int8))
+    return int(torch.ops.tformer.gemv_prefetch(-1 if rows is None else rows, WEIGHT_KINDS.index(weights)))
 
 
 def _gemv_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -356,6 +379,7 @@ __all__ = [
     "MAX_ROWS",
     "ONEDNN_MIN_MACS",
     "attention",
+    "WEIGHT_KINDS",
     "build_error",
     "default_prefetch_rows",
     "enabled",

@@ -72,19 +72,23 @@ constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one acc
 // The software prefetch: each thread requests the row `prefetch_rows` rows ahead of the one it reads (0: none, the
 // hardware's prefetchers alone), into the cache __builtin_prefetch's locality names (TFORMER_PREFETCH_HINT; 1: L2,
 // prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The
-// distance is set at run time, one for float weights (bfloat16, float32) and one for int8 codes
+// distance is set at run time, one for each kind of weights: bfloat16, float32, int8 codes
 // (tformer.kernels.prefetch_rows, which picks them per CPU), so that one process can compare settings burst by burst
-// (benchmarks/decode_step.py). What was measured, on an AMD EPYC Zen 4, compiled SmolLM2 steps in paired bursts: with
-// the weights in one huge-page-backed block (tformer.memory), a bfloat16 step took 0.85-0.92 of the time without a
-// software prefetch as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own allocation); an int8 step 0.89
-// of the time with 8 rows ahead as without (its loop converts codes, and the hardware prefetchers fall behind).
-// Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the bound); on an Intel Xeon, no prefetch
-// was 10-20% slower than 8 rows into L1 (each matrix its own allocation; BENCHMARKS.md).
+// (benchmarks/decode_step.py). What was measured, compiled SmolLM2 steps in paired bursts, the weights in one
+// huge-page-backed block (tformer.memory): the loops that convert each weight before multiplying need the prefetch,
+// those that multiply the weights as read do not. On an AMD EPYC Zen 4 (dpbf16) a bfloat16 step took 0.85-0.92 of
+// the time without a software prefetch as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own
+// allocation); on a Zen 3 (AVX2: each bfloat16 widened by a shift or a mask) 0.976 of the time with 8 rows as
+// without (median of five paired runs, 0.954-1.012), where float32 took 1.105-1.136 of the time with them (two runs;
+// no conversion); an int8 step took 0.89 of the time with 8 rows as without on a Zen 4 (its loop widens codes, and
+// the hardware prefetchers fall behind). Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the
+// bound); on an Intel Xeon, no prefetch was 10-20% slower than 8 rows into L1 (each matrix its own allocation;
+// BENCHMARKS.md).
 #ifndef TFORMER_PREFETCH_HINT
 #define TFORMER_PREFETCH_HINT 1
 #endif
-enum Weights { kFloatWeights = 0, kInt8Weights = 1 };
-std::atomic<int64_t> prefetch_rows[2] = {8, 8};
+enum Weights { kBf16Weights = 0, kF32Weights = 1, kInt8Weights = 2 };  // gemv_prefetch's `weights`
+std::atomic<int64_t> prefetch_rows[3] = {8, 8, 8};
 constexpr int64_t kGrain = 16;        // fewest rows of W per thread
 constexpr int64_t kBytesPerThread = 1 << 18;  // fewest bytes of W per thread: below, waking a thread costs more
 
@@ -140,7 +144,7 @@ at::Tensor linear_op(const char* op, const char* dtype_name, at::ScalarType dtyp
 
 // Software prefetch of row n + prefetch_rows of a thread's block [n0, n1) of rows `row_bytes` long (requesting the
 // whole window at the block's start measured slower: it competes with the demand misses of the first rows).
-template <Weights kind = kFloatWeights>
+template <Weights kind>
 inline void prefetch_ahead(const char* block, int64_t row_bytes, int64_t n0, int64_t n1, int64_t n) {
   const int64_t ahead = prefetch_rows[kind].load(std::memory_order_relaxed);  // a plain load, once a row
   if (ahead == 0 || n + ahead >= n1) return;
@@ -157,7 +161,7 @@ void rows_avx512(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_
   const __mmask32 tail_mask = tail ? static_cast<__mmask32>((1u << tail) - 1u) : 0;
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
-    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
     // Two independent chains of dpbf16 per row of x (even and odd blocks of 32 columns), added at the end: one
     // chain waits on dpbf16's latency, which capped a cache-resident matrix at 45-62 GB/s a core (63-81 with two,
     // AMD EPYC Zen 5; streaming from memory, the same either way).
@@ -227,7 +231,7 @@ void rows_avx2(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t n = n0; n < n1; ++n) {
     const bf16* wr = w + n * K;
-    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
     __m256 acc[R][2 * U];
     for (int r = 0; r < R; ++r) {
       for (int u = 0; u < 2 * U; ++u) acc[r][u] = _mm256_setzero_ps();
@@ -284,7 +288,7 @@ template <int R>
 void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t N, int64_t n0,
                    int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n1, n);
     float sum[R];
     dot_portable<R>(xf, w + n * K, K, sum);
     const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
@@ -462,7 +466,7 @@ void rows_f32(const float* x, const float* w, const float* bias, float* y, int64
               int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
-    prefetch_ahead(reinterpret_cast<const char*>(w + n0 * K), K * 4, n0, n1, n);
+    prefetch_ahead<kF32Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 4, n0, n1, n);
     float sum[R];
 #if defined(TFORMER_AVX512_F32)
     // The int8 rows' loop with float32 weights. Kept apart: one loop for both with the load passed in (a lambda)
@@ -554,11 +558,13 @@ std::string gemv_paths() {
 #endif
 }
 
-// The software prefetch distance in rows of float weights or of int8 codes (see prefetch_rows): set it when
-// rows >= 0; returns the one before.
-int64_t gemv_prefetch(int64_t rows, bool int8) {
+// The software prefetch distance in rows of one kind of weights (0: bfloat16, 1: float32, 2: int8 codes; see
+// prefetch_rows): set it when rows >= 0; returns the one before.
+int64_t gemv_prefetch(int64_t rows, int64_t weights) {
   TORCH_CHECK(rows >= -1 && rows <= 1024, "gemv_prefetch: rows must be 0-1024 (or -1 to read it); got ", rows);
-  std::atomic<int64_t>& setting = prefetch_rows[int8 ? kInt8Weights : kFloatWeights];
+  TORCH_CHECK(weights >= kBf16Weights && weights <= kInt8Weights,
+              "gemv_prefetch: weights must be 0 (bfloat16), 1 (float32) or 2 (int8); got ", weights);
+  std::atomic<int64_t>& setting = prefetch_rows[weights];
   return rows < 0 ? setting.load() : setting.exchange(rows);
 }
 
@@ -586,7 +592,7 @@ TORCH_LIBRARY(tformer, m) {
   m.def("gemv_int8(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_paths() -> str", &gemv_paths);
-  m.def("gemv_prefetch(int rows=-1, bool int8=False) -> int", &gemv_prefetch);
+  m.def("gemv_prefetch(int rows=-1, int weights=0) -> int", &gemv_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tformer, CPU, m) {
