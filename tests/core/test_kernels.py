@@ -76,7 +76,7 @@ def test_the_kernel_builds_on_this_machine():
 
 
 def test_the_build_notice_is_for_a_build_not_for_loading_a_built_library(tmp_path, monkeypatch):
-    """ready() says "building ... about 20 s" at a terminal only when _built is False: the library this process
+    """ready() says "building ... 20-30 s" at a terminal only when _built is False: the library this process
     loaded is built; a name never built (in an empty extensions folder) is not."""
     assert kernels._built(kernels.build_name(kernels._cflags()))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -682,6 +682,36 @@ def test_a_failed_build_warns_once_and_falls_back_to_f_linear(tmp_path):
     assert not result["ready"] and result["paths"] is None and result["is_f_linear"]
     assert len(result["warnings"]) == 1 and "did not build" in result["warnings"][0]
     assert "TFORMER_KERNELS=0" in result["warnings"][0]
+
+
+def test_a_bad_prefetch_variable_warns_and_keeps_the_kernels():
+    """A mistyped tuning variable is named in a warning and the rule's distance used; the kernels stay on (it had
+    turned them all off, as a failed build)."""
+    script = textwrap.dedent(
+        """
+        import json, warnings
+        from tformer import kernels
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ready = kernels.ready()
+        rows, rule = kernels.prefetch_rows(weights="float32"), kernels._rule_prefetch_rows("float32")
+        print(json.dumps({"ready": ready, "warnings": [str(c.message) for c in caught], "rows": rows, "rule": rule}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TFORMER_PREFETCH_ROWS_F32": "-2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["ready"] and result["rows"] == result["rule"]
+    assert result["warnings"] == [
+        f"tformer: TFORMER_PREFETCH_ROWS_F32='-2': need a number of rows from 0 (no software prefetch) to 1024; "
+        f"the kernels prefetch {result['rule']} rows ahead instead"
+    ]
 
 
 def test_tformer_kernels_0_builds_nothing(tmp_path):

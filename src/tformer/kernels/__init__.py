@@ -36,7 +36,7 @@ boolean mask or none and no gradient (:func:`uses_attention_kernel`; ``tformer.a
 float32 scores, softmax and weighted sum, one rounding.
 
 Build. The C++ files are compiled for this CPU (``-march=native``) on first use, by ``torch.utils.cpp_extension``
-(about 20 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
+(20-30 s; needs a C++ compiler, as ``torch.compile`` on the CPU does), and cached under ``TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``) under a name that hashes the source, the flags, torch's version and the
 CPU's feature flags. When it cannot be built, one warning says why and :func:`linear` uses ``F.linear``: correct,
 slower. ``TFORMER_KERNELS=0`` turns the kernels and the oneDNN route off (nothing is built); :func:`enabled` does
@@ -111,7 +111,7 @@ def ready() -> bool:
 
         name = build_name(cflags)
         if sys.stderr.isatty() and not _built(name):
-            print("tformer: building the decode kernels for this CPU (once, about 20 s)", file=sys.stderr)
+            print("tformer: building the decode kernels for this CPU (once, 20-30 s)", file=sys.stderr)
         cpp_extension.load(
             name=name,
             sources=[str(source) for source in SOURCES],
@@ -125,8 +125,6 @@ def ready() -> bool:
         torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
         torch.library.register_fake("tformer::decode_blocks")(_block_shape)
-        for index, weights in enumerate(WEIGHT_KINDS):
-            torch.ops.tformer.gemv_prefetch(default_prefetch_rows(weights), index)
     except Exception as error:  # no compiler, an unsupported flag, a failed link: fall back, say so once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         message = next((line.strip() for line in lines if "error:" in line), lines[0])[:300]  # the compiler's own
@@ -138,8 +136,21 @@ def ready() -> bool:
             stacklevel=2,
         )
         return False
+    for index, weights in enumerate(WEIGHT_KINDS):
+        torch.ops.tformer.gemv_prefetch(_starting_prefetch_rows(weights), index)
     _STATE["ready"] = True
     return True
+
+
+def _starting_prefetch_rows(weights: str) -> int:
+    """:func:`default_prefetch_rows`, or where its environment variable is not a distance, the rule's, with a
+    warning: a mistyped tuning setting must not cost the kernels."""
+    try:
+        return default_prefetch_rows(weights)
+    except ValueError as error:
+        rows = _rule_prefetch_rows(weights)
+        warnings.warn(f"tformer: {error}; the kernels prefetch {rows} rows ahead instead", RuntimeWarning, stacklevel=3)
+        return rows
 
 
 def _built(name: str) -> bool:
@@ -170,18 +181,24 @@ def _check_weights(weights: str) -> None:
 def default_prefetch_rows(weights: str = "bfloat16") -> int:
     """The software prefetch distance the kernels start with for ``weights`` (``"bfloat16"``, ``"float32"`` or
     ``"int8"`` codes): ``TFORMER_PREFETCH_ROWS`` (bfloat16), ``TFORMER_PREFETCH_ROWS_F32`` or
-    ``TFORMER_PREFETCH_ROWS_INT8`` if set, else by the rule :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs
-    for float32, and for bfloat16 where the CPU multiplies bfloat16 natively (``avx512_bf16``: Zen 4, Zen 5)."""
+    ``TFORMER_PREFETCH_ROWS_INT8`` if set (0 to 1024 rows; anything else is a ``ValueError``), else by the rule
+    :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs for float32, and for bfloat16 where the CPU multiplies
+    bfloat16 natively (``avx512_bf16``: Zen 4, Zen 5). (Loading the kernels, a bad variable is warned about and the
+    rule's distance used.)"""
     _check_weights(weights)
     name = _PREFETCH_VARIABLES[weights]
     value = os.environ.get(name)
     if value is None:
-        if "AuthenticAMD" not in _cpu_vendor() or weights == "int8":
-            return 8
-        return 0 if weights == "float32" or "avx512_bf16" in _cpu_flags().split() else 8
+        return _rule_prefetch_rows(weights)
     if not value.isdigit() or int(value) > 1024:
         raise ValueError(f"{name}={value!r}: need a number of rows from 0 (no software prefetch) to 1024")
     return int(value)
+
+
+def _rule_prefetch_rows(weights: str) -> int:
+    if "AuthenticAMD" not in _cpu_vendor() or weights == "int8":
+        return 8
+    return 0 if weights == "float32" or "avx512_bf16" in _cpu_flags().split() else 8
 
 
 def _cpu_vendor() -> str:
@@ -191,8 +208,8 @@ def _cpu_vendor() -> str:
 def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
     """How many rows of a weight matrix ahead each thread of a matrix-vector kernel asks the CPU for (a software
     prefetch into L2; 0: none, the hardware prefetchers alone), for one kind of ``weights``: ``"bfloat16"``,
-    ``"float32"`` or ``"int8"`` codes; set it to ``rows`` if given. Returns the distance in force before the call (0
-    when the kernels are not built).
+    ``"float32"`` or ``"int8"`` codes; set it to ``rows`` (0 to 1024) if given. Returns the distance in force before
+    the call (0 when the kernels are not built).
 
     The defaults (:func:`default_prefetch_rows`) follow what was measured on weights packed by
     :func:`tformer.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; BENCHMARKS.md): a loop that
