@@ -646,9 +646,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def child(**env: str) -> dict:
+def child(script: str = CHILD, /, **env: str) -> dict:
+    """Run ``script`` in a fresh interpreter with ``env`` added; the JSON its last line prints."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
@@ -698,15 +699,7 @@ def test_a_bad_prefetch_variable_warns_and_keeps_the_kernels():
         print(json.dumps({"ready": ready, "warnings": [str(c.message) for c in caught], "rows": rows, "rule": rule}))
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "TFORMER_PREFETCH_ROWS_F32": "-2"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.splitlines()[-1])
+    result = child(script, TFORMER_PREFETCH_ROWS_F32="-2")
     assert result["ready"] and result["rows"] == result["rule"]
     assert result["warnings"] == [
         f"tformer: TFORMER_PREFETCH_ROWS_F32='-2': need a number of rows from 0 (no software prefetch) to 1024; "

@@ -164,13 +164,14 @@ def _built(name: str) -> bool:
     return (Path(folder) / f"{name}.so").is_file()
 
 
-# The kinds of weights with a prefetch distance each, in the order of gemv.cpp's enum Weights.
-WEIGHT_KINDS = ("bfloat16", "float32", "int8")
+# The kinds of weights with a prefetch distance each, in the order of gemv.cpp's enum Weights, and the variable that
+# sets each one's distance for a process.
 _PREFETCH_VARIABLES = {
     "bfloat16": "TFORMER_PREFETCH_ROWS",
     "float32": "TFORMER_PREFETCH_ROWS_F32",
     "int8": "TFORMER_PREFETCH_ROWS_INT8",
 }
+WEIGHT_KINDS = tuple(_PREFETCH_VARIABLES)
 
 
 def _check_weights(weights: str) -> None:
@@ -395,8 +396,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 __all__ = [
     "MAX_ROWS",
     "ONEDNN_MIN_MACS",
-    "attention",
     "WEIGHT_KINDS",
+    "attention",
     "build_error",
     "default_prefetch_rows",
     "enabled",
