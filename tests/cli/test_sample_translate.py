@@ -573,3 +573,28 @@ def test_cli_sample_compile_auto_falls_back_where_a_static_cache_cannot_hold_the
         assert main([*args, "--max-new-tokens", new, "--compile", "auto"]) == 0
         auto = capsys.readouterr()
         assert auto.out == eager.out and ("compiled decoding (prefill" in auto.err) == compiles
+
+
+@pytest.mark.parametrize(
+    "command, int8",
+    [
+        ("sample", "--quantize int8 (with --dtype for the activations)"),
+        ("explore", "--quantize int8 (with --dtype for the activations)"),
+        ("translate", "tformer sample and explore --quantize int8"),
+        ("embed", "tformer sample and explore --quantize int8"),
+        ("convert", "not stored; tformer sample and explore --quantize int8 make them at load"),
+    ],
+)
+def test_a_dtype_that_is_not_a_compute_dtype_names_the_choices_and_where_int8_is(command, int8, capsys, tmp_path):
+    """--dtype int8 was argparse's bare "invalid choice"; int8 weights come from --quantize."""
+    checkpoint = [str(tmp_path)] if command == "convert" else ["--checkpoint", str(tmp_path)]
+    choices = "(choose from float32, bfloat16, float16)"
+    for value, hint in (("int8", f"; int8 weights: {int8}"), ("bf16", "")):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, *checkpoint, "--dtype", value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"tformer {command}: error: argument --dtype: invalid dtype '{value}' {choices}{hint}; "
+            f"see tformer {command} --help\n"
+        )

@@ -1,5 +1,7 @@
 """Sampling from a decoder-only LM: the logit filters, the cache, left padding, seeds, stops, bad input."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -184,6 +186,19 @@ def test_text_instead_of_token_ids_is_a_type_error_that_says_how_to_encode(rando
         generate(model, ([1, 2], (3,)), max_new_tokens=1, greedy=True)[1]
         == generate(model, [[3]], max_new_tokens=1, greedy=True)[0]
     )  # any sequences of ints still work
+
+
+def test_a_wrong_model_is_a_type_error_that_names_the_right_one(random_lm, random_seq2seq):
+    """What load_pretrained and load_checkpoint return holds the model as .model; passing the holder was answered
+    with a hint about encoder-decoders."""
+    with pytest.raises(
+        TypeError, match=r"^generate continues prompts with a DecoderLM; got a SimpleNamespace \(pass its \.model\)$"
+    ):
+        generate(SimpleNamespace(model=random_lm(), tokenizer=None), [[1, 2]], max_new_tokens=2)
+    with pytest.raises(
+        TypeError, match=r"got a EncoderDecoder \(an EncoderDecoder decodes with greedy_seq2seq or beam_search\)$"
+    ):
+        generate(random_seq2seq(), [[1, 2]], max_new_tokens=2)
 
 
 # --------------------------------------------------------------------------------------------------

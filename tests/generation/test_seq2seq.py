@@ -2,6 +2,7 @@
 search."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -240,3 +241,12 @@ def test_a_list_or_an_empty_source_is_refused_before_decoding(random_seq2seq, ra
         for source, source_mask in ((src[:, :0], None), (src, empty_row)):
             with pytest.raises(ValueError, match="every source needs at least one token"):
                 decode(model, source, source_mask, bos_id=1, eos_id=2, max_new_tokens=4)
+
+
+def test_a_wrong_model_is_a_type_error_that_names_the_right_one(random_seq2seq, random_lm, random_sources):
+    src, mask = random_sources([3, 2], vocab=32)
+    for decode in (greedy_seq2seq, lambda *a, **k: beam_search(*a, beam_size=2, **k)):
+        with pytest.raises(TypeError, match=r"got a SimpleNamespace \(pass its \.model\)$"):
+            decode(SimpleNamespace(model=random_seq2seq()), src, mask, bos_id=1, eos_id=2, max_new_tokens=4)
+        with pytest.raises(TypeError, match=r"got a DecoderLM \(a DecoderLM continues prompts with generate\)$"):
+            decode(random_lm(), src, mask, bos_id=1, eos_id=2, max_new_tokens=4)

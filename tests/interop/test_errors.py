@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tformer.cli import main
 from tformer.interop import InteropError, load_pretrained, save_pretrained
-from tformer.training.checkpoint import CheckpointError, load_checkpoint
+from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 
 
 @pytest.fixture
@@ -250,6 +251,12 @@ def test_the_python_api_names_common_mistakes(saved, minilm, tmp_path, monkeypat
         save_pretrained(minilm, "never-written")
     with pytest.raises(TypeError, match="save_pretrained takes a tformer model .*; got dict"):
         save_pretrained({}, "never-written")
+    with pytest.raises(
+        TypeError, match=r"save_pretrained takes a tformer model .*; got Checkpoint \(pass its \.model\)$"
+    ):
+        save_pretrained(
+            Checkpoint(model, None, "lm", model.cfg, 0, {}, Path()), "never-written"
+        )  # what load_checkpoint returns
     with pytest.raises(TypeError, match=r"prompt_ids must be a list of prompts.*wrap one prompt, \[ids\]"):
         generate(model, [3, 4, 5], max_new_tokens=2)
 

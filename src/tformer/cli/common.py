@@ -4,6 +4,7 @@ with exit code 2."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,11 +21,31 @@ def utf8_error(err: UnicodeDecodeError) -> str:
     return f"not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start})"
 
 
+def dtype_flag(int8: str) -> Callable[[str], str]:
+    """The ``type`` of a ``--dtype`` flag: the name itself, or argparse's error naming the choices, and for an
+    integer dtype where int8 weights are had instead (``int8``: e.g. ``--quantize int8``)."""
+
+    def check(value: str) -> str:
+        if value in DTYPES:
+            return value
+        hint = f"; int8 weights: {int8}" if value.lower().startswith(("int", "uint", "q")) else ""
+        raise argparse.ArgumentTypeError(f"invalid dtype {value!r} (choose from {', '.join(DTYPES)}){hint}")
+
+    return check
+
+
 def add_device_flags(p, *, quantize: bool = False) -> None:
     """The flags of every command that runs a loaded model: ``--device``, ``--dtype`` and, where the command offers
     it, ``--quantize`` (apply with :func:`apply_quantize`)."""
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto (CUDA if there is a GPU) (default cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="compute in this dtype (default: as saved)")
+    int8 = (
+        "--quantize int8 (with --dtype for the activations)"
+        if quantize
+        else "tformer sample and explore --quantize int8"
+    )
+    p.add_argument(
+        "--dtype", type=dtype_flag(int8), choices=DTYPES, default=None, help="compute in this dtype (default: as saved)"
+    )
     if quantize:
         p.add_argument(
             "--quantize",

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tformer.cli.common import DTYPES, load_run, report_errors, torch_dtype
+from tformer.cli.common import DTYPES, dtype_flag, load_run, report_errors, torch_dtype
 
 
 def add_cli(subparsers) -> None:
@@ -28,7 +28,13 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("src", help="a .gguf file, a tformer run or checkpoint directory, or a Hugging Face directory")
     p.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="store the weights in this dtype (default: as read)")
+    p.add_argument(
+        "--dtype",
+        type=dtype_flag("not stored; tformer sample and explore --quantize int8 make them at load"),
+        choices=DTYPES,
+        default=None,
+        help="store the weights in this dtype (default: as read)",
+    )
     p.set_defaults(func=_run_convert)
 
 

@@ -409,10 +409,11 @@ def generate(
     gives them there), and, when sampling, at every draw at no extra cost.
     """
     if not isinstance(model, DecoderLM):
-        raise TypeError(
-            f"generate continues prompts with a DecoderLM; got a {type(model).__name__} (an "
-            "EncoderDecoder decodes with greedy_seq2seq or beam_search)"
-        )
+        if isinstance(getattr(model, "model", None), DecoderLM):  # what load_pretrained and load_checkpoint return
+            hint = "pass its .model"
+        else:
+            hint = "an EncoderDecoder decodes with greedy_seq2seq or beam_search"
+        raise TypeError(f"generate continues prompts with a DecoderLM; got a {type(model).__name__} ({hint})")
     cfg = model.cfg
     check_max_new_tokens(max_new_tokens)
     check_sampling_args(temperature, top_k, top_p, greedy)

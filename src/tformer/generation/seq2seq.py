@@ -33,9 +33,12 @@ def _check_decode_args(
     model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, max_new_tokens: int, bos_id: int, eos_id: int
 ) -> None:
     if not isinstance(model, EncoderDecoder):
+        if isinstance(getattr(model, "model", None), EncoderDecoder):  # what load_pretrained and load_checkpoint return
+            hint = "pass its .model"
+        else:
+            hint = "a DecoderLM continues prompts with generate"
         raise TypeError(
-            f"greedy_seq2seq and beam_search decode with an EncoderDecoder; got a {type(model).__name__} "
-            "(a DecoderLM continues prompts with generate)"
+            f"greedy_seq2seq and beam_search decode with an EncoderDecoder; got a {type(model).__name__} ({hint})"
         )
     cfg = model.cfg
     if not isinstance(src, Tensor):

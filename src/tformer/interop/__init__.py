@@ -228,7 +228,8 @@ def save_pretrained(
             "Pretrained that load_pretrained returns"
         )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"save_pretrained takes a tformer model (an nn.Module); got {type(model).__name__}")
+        hint = " (pass its .model)" if isinstance(getattr(model, "model", None), nn.Module) else ""
+        raise TypeError(f"save_pretrained takes a tformer model (an nn.Module); got {type(model).__name__}{hint}")
     model = unwrap(model)
     if is_quantized(model):
         raise InteropError(
