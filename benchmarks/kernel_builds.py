@@ -17,7 +17,8 @@ per-round shares.
 
 Run:  python benchmarks/kernel_builds.py -- "" "-DTFORMER_PREFETCH_HINT=3" "-DTFORMER_ATEN_PARALLEL_FOR"
 (after ``--``, one argument a build; the empty string is the default build; the first build of each set of flags
-takes ~1 minute).
+takes ~1 minute). A word ``NAME=value`` in a build's argument is an environment variable of its processes instead
+of a flag, e.g. ``"-DTFORMER_AVX2_ONE_STREAM TFORMER_PREFETCH_ROWS=8"``: a build with a run-time setting of its own.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ print(statistics.median(shares))
 """
 
 
+def is_setting(word: str) -> bool:
+    """``NAME=value`` (an environment variable), not a compiler flag (``-DNAME=value``)."""
+    return not word.startswith("-") and "=" in word
+
+
 def main() -> None:
     usage = "%(prog)s [options] -- FLAGS [FLAGS ...]"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
@@ -87,7 +93,8 @@ def main() -> None:
     shares: dict[str, list[float]] = {flags: [] for flags in args.flags}
     for _ in range(args.rounds):
         for flags in args.flags:
-            env = dict(os.environ, TFORMER_KERNEL_CFLAGS=flags)
+            env = dict(os.environ, TFORMER_KERNEL_CFLAGS=" ".join(w for w in flags.split() if not is_setting(w)))
+            env.update(w.split("=", 1) for w in flags.split() if is_setting(w))
             done = subprocess.run(
                 [sys.executable, "-c", CHILD, str(args.bursts), args.weights],
                 env=env,
@@ -98,7 +105,7 @@ def main() -> None:
             if done.returncode != 0:
                 sys.exit(f"build {flags!r} failed:\n{done.stderr[-3000:]}")
             shares[flags].append(float(done.stdout.split()[-1]))
-    print("\n| build (TFORMER_KERNEL_CFLAGS) | share of the bound, median | per round |")
+    print("\n| build (TFORMER_KERNEL_CFLAGS, and settings) | share of the bound, median | per round |")
     print("|---|---:|---|")
     for flags, values in shares.items():
         per_round = ", ".join(f"{v:.2f}" for v in values)

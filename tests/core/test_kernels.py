@@ -149,8 +149,10 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
+                    torch.ops.tformer.gemv_bf16(x[:1], w, b),  # batch 1: its own loop (two streams on AVX2)
                     torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()),
                     torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
+                    torch.ops.tformer.gemv_int8(x[:1], layer.codes, layer.scale, layer.bias),
                 )
             )
     finally:
@@ -176,14 +178,37 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
+                    torch.ops.tformer.gemv_bf16(x[:1], w, b),  # batch 1: its own loop (two streams on AVX2)
                     torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()),
                     torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
+                    torch.ops.tformer.gemv_int8(x[:1], layer.codes, layer.scale, layer.bias),
                 )
             )
     for other in results[1:]:
         assert all(torch.equal(a, c) for a, c in zip(results[0], other, strict=True))
     exact, bound = rounding_bound(x, w, b)
     assert ((results[1][0].double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("i, o", [SPLIT[1:], (576, 9), (100, 7), (17, 2), (8, 1)])
+def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
+    """The bfloat16 kernel adds a row's products in the same order whatever the batch (batch 1 has a loop of its
+    own: on AVX2 it reads a thread's rows as two streams, rows paired across the halves of its block), so each row
+    of x (M, I) gets the bits it gets alone, in passes of up to 4 rows and past them. Half of each row of W is
+    +-4096 in equal numbers, met by ones in x: float32's partial sums reach ~10^5 and cancel, so any other order of
+    the additions shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a
+    bfloat16 rounding)."""
+    x, w, b = case(6, i, o, seed=3)
+    g = torch.Generator().manual_seed(4)
+    for row in w:  # the large half: +-4096 in equal numbers at random columns, ones in x there
+        columns = torch.randperm(i, generator=g)[: i // 2 // 2 * 2]
+        row[columns] = 4096.0 * torch.tensor([1.0, -1.0]).repeat(len(columns) // 2).bfloat16()
+        x[:, columns] = 1.0
+    alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, b) for r in range(6)])
+    for m in (2, 3, 4, 5, 6):
+        assert torch.equal(torch.ops.tformer.gemv_bf16(x[:m], w, b), alone[:m])
+    exact, bound = rounding_bound(x, w, b)
+    assert ((alone.double() - exact).abs() <= bound).all()
 
 
 def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
@@ -203,8 +228,8 @@ def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma avx512f avx512_bf16")  # Zen 4, Zen 5
     assert defaults() == (0, 0, 8)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: bfloat16 widened by AVX2
-    assert defaults() == (8, 0, 8)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: two streams of bfloat16 rows
+    assert defaults() == (0, 0, 8)
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
     assert defaults() == (8, 8, 8)
     with pytest.raises(ValueError, match="weights='float16'"):
@@ -611,6 +636,11 @@ CHILD = textwrap.dedent(
             bound = (k + 1) * 2.0**-24 * (xf.double().abs() @ wf.double().abs().T)
             ok = bool(((yf.double() - sf).abs() <= bound).all())
             within_f32 = ok if within_f32 is None else within_f32 and ok
+    rows_alone = None
+    if ready:  # each row of a batch gets the bits it gets alone (batch 1 has a loop of its own)
+        x, w = torch.randn(5, 576, generator=g).bfloat16(), torch.randn(9, 576, generator=g).bfloat16()
+        alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, None) for r in range(5)])
+        rows_alone = torch.equal(torch.ops.tformer.gemv_bf16(x, w, None), alone)
     attention_within = None
     if ready:  # the attention kernel of the same build: float32, against float64, at most 2x PyTorch's error
         from tformer.attention import scaled_dot_product_attention
@@ -640,7 +670,7 @@ CHILD = textwrap.dedent(
         fused_within = bool((steps[0] - steps[1]).abs().max() < 1e-5)
     print(json.dumps({"ready": ready, "paths": kernels.paths(), "warnings": [str(c.message) for c in caught],
                       "within": within, "within_int8": within_int8, "within_f32": within_f32,
-                      "attention_within": attention_within, "fused_within": fused_within,
+                      "attention_within": attention_within, "fused_within": fused_within, "rows_alone": rows_alone,
                       "is_f_linear": bool(torch.equal(first[2], F.linear(first[0], first[1])))}))
     """
 )
@@ -672,7 +702,7 @@ def test_the_paths_without_avx512_build_and_are_within_the_same_bound(cflags):
     too, the portable C++ one. Each meets the bounds the native build's tests hold it to."""
     result = child(TFORMER_KERNEL_CFLAGS=cflags)
     assert result["ready"] and result["within"] and result["within_int8"] and result["within_f32"]
-    assert result["attention_within"] and result["fused_within"] and not result["warnings"]
+    assert result["attention_within"] and result["fused_within"] and result["rows_alone"] and not result["warnings"]
     path = "avx2" if cflags == "-mno-avx512f" and _has_avx2_fma() else "portable"
     assert result["paths"] == {"bf16": path, "int8": path, "f32": path}
 

@@ -183,9 +183,8 @@ def default_prefetch_rows(weights: str = "bfloat16") -> int:
     """The software prefetch distance the kernels start with for ``weights`` (``"bfloat16"``, ``"float32"`` or
     ``"int8"`` codes): ``TFORMER_PREFETCH_ROWS`` (bfloat16), ``TFORMER_PREFETCH_ROWS_F32`` or
     ``TFORMER_PREFETCH_ROWS_INT8`` if set (0 to 1024 rows; anything else is a ``ValueError``), else by the rule
-    :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs for float32, and for bfloat16 where the CPU multiplies
-    bfloat16 natively (``avx512_bf16``: Zen 4, Zen 5). (Loading the kernels, a bad variable is warned about and the
-    rule's distance used.)"""
+    :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs for bfloat16 and float32. (Loading the kernels, a bad
+    variable is warned about and the rule's distance used.)"""
     _check_weights(weights)
     name = _PREFETCH_VARIABLES[weights]
     value = os.environ.get(name)
@@ -197,9 +196,7 @@ def default_prefetch_rows(weights: str = "bfloat16") -> int:
 
 
 def _rule_prefetch_rows(weights: str) -> int:
-    if "AuthenticAMD" not in _cpu_vendor() or weights == "int8":
-        return 8
-    return 0 if weights == "float32" or "avx512_bf16" in _cpu_flags().split() else 8
+    return 8 if weights == "int8" or "AuthenticAMD" not in _cpu_vendor() else 0
 
 
 def _cpu_vendor() -> str:
@@ -214,12 +211,13 @@ def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
 
     The defaults (:func:`default_prefetch_rows`) follow what was measured on weights packed by
     :func:`tformer.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; BENCHMARKS.md): a loop that
-    converts each weight before multiplying needs the prefetch, one that multiplies the weights as read does not.
-    On an AMD EPYC Zen 4 (native bfloat16 products) a bfloat16 step took 0.85-0.92 of its time without a software
-    prefetch as with 8 rows ahead; on a Zen 3 (AVX2: each bfloat16 widened to float32 first) 0.98 of its time with 8
-    rows as without (median of five runs, 0.95-1.01), and a float32 step 1.11-1.14 of its time with them. An int8
-    step (its codes widened) took 0.89 of its time with 8 rows ahead as without (Zen 4); on an Intel Xeon, no
-    prefetch was 10-20% slower (bfloat16). A setting of the process, read by every call (``benchmarks/decode_step.py``
+    converts each weight before multiplying needs the prefetch (int8 codes), the others do not on AMD CPUs. On an
+    AMD EPYC Zen 4 (native bfloat16 products) a bfloat16 step took 0.85-0.92 of its time without a software prefetch
+    as with 8 rows ahead; on a Zen 3 (AVX2: each bfloat16 widened to float32 first, batch 1's rows read as two
+    streams) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows ahead (medians of five
+    alternated processes), and a float32 step took 1.11-1.14 of its time with them. An int8 step (its codes widened)
+    took 0.89 of its time with 8 rows ahead as without (Zen 4); on an Intel Xeon, no prefetch was 10-20% slower
+    (bfloat16). A setting of the process, read by every call (``benchmarks/decode_step.py``
     compares settings burst by burst)."""
     _check_weights(weights)
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 1024):

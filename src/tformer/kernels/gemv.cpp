@@ -75,12 +75,12 @@ constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one acc
 // distance is set at run time, one for each kind of weights: bfloat16, float32, int8 codes
 // (tformer.kernels.prefetch_rows, which picks them per CPU), so that one process can compare settings burst by burst
 // (benchmarks/decode_step.py). What was measured, compiled SmolLM2 steps in paired bursts, the weights in one
-// huge-page-backed block (tformer.memory): the loops that convert each weight before multiplying need the prefetch,
-// those that multiply the weights as read do not. On an AMD EPYC Zen 4 (dpbf16) a bfloat16 step took 0.85-0.92 of
-// the time without a software prefetch as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own
-// allocation); on a Zen 3 (AVX2: each bfloat16 widened by a shift or a mask) 0.976 of the time with 8 rows as
-// without (median of five paired runs, 0.954-1.012), where float32 took 1.105-1.136 of the time with them (two runs;
-// no conversion); an int8 step took 0.89 of the time with 8 rows as without on a Zen 4 (its loop widens codes, and
+// huge-page-backed block (tformer.memory): on AMD CPUs only the int8 loop, which widens each code, needs the
+// prefetch. On an AMD EPYC Zen 4 (dpbf16) a bfloat16 step took 0.85-0.92 of the time without a software prefetch
+// as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own allocation); on a Zen 3 (AVX2, batch 1 read as
+// two streams: rows_avx2_two_streams) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows
+// ahead (medians of five alternated processes; one stream had gained a little from it: 0.976 of the time), and
+// float32 took 1.105-1.136 of the time with them (two runs; no conversion); an int8 step took 0.89 of the time with 8 rows as without on a Zen 4 (its loop widens codes, and
 // the hardware prefetchers fall behind). Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the
 // bound); on an Intel Xeon, no prefetch was 10-20% slower than 8 rows into L1 (each matrix its own allocation;
 // BENCHMARKS.md).
@@ -296,6 +296,49 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
   }
 }
 
+#ifdef TFORMER_AVX2_BF16
+// One row of x (batch 1) on AVX2: the thread's block of rows [n0, n1) read as two streams side by side, row n0 + i
+// with row n0 + h + i (h = half the block), so that each load of x serves two rows of W. Per row the arithmetic of
+// rows_avx2<R> for R > 1 (two FMA chains, even and odd columns, added at the end): a row of a batch and the same row
+// alone give the same bits. Measured on an AMD EPYC Zen 3 (scratch loops over SmolLM2's 121 matrices, each against a
+// 1 GiB `sum` read next to it): one thread reads at 1.03 of the `sum` rate this way against 0.81 one row at a time,
+// two threads 0.89 against 0.75-0.78; rows taken two at a time next to each other (two streams 1152 bytes apart) read
+// at 0.65-0.68 (BENCHMARKS.md). A build with -DTFORMER_AVX2_ONE_STREAM keeps rows_avx2<1>, for comparison.
+void rows_avx2_two_streams(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t n0,
+                           int64_t n1) {
+  const int64_t body = K - K % 16;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t h = (n1 - n0) / 2;
+  // rows a and b (b == a: one row alone, the odd one at the end of the block)
+  const auto rows = [&](int64_t a, int64_t b, int64_t n) {
+    const bf16* wa = w + a * K;
+    const bf16* wb = w + b * K;
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n0 + h, n);
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + (n0 + h) * K), K * 2, n0 + h, n0 + 2 * h,
+                                 n + h);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t k = 0; k < body; k += 16) {
+      const __m256 xe = _mm256_loadu_ps(xs + k), xo = _mm256_loadu_ps(xs + k + 8);
+      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wa + k));
+      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k));
+      a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(va, 16)), xe, a0);
+      a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(va, high)), xo, a1);
+      b0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(vb, 16)), xe, b0);
+      b1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vb, high)), xo, b1);
+    }
+    float sa = hsum8(_mm256_add_ps(a0, a1)), sb = hsum8(_mm256_add_ps(b0, b1));
+    for (int64_t k = body; k < K; ++k) {
+      sa += static_cast<float>(wa[k]) * xs[k];
+      sb += static_cast<float>(wb[k]) * xs[k];
+    }
+    y[a] = bf16(sa + (bias ? static_cast<float>(bias[a]) : 0.0f));
+    y[b] = bf16(sb + (bias ? static_cast<float>(bias[b]) : 0.0f));
+  };
+  for (int64_t i = 0; i < h; ++i) rows(n0 + i, n0 + h + i, n0 + i);
+  if ((n1 - n0) % 2) rows(n1 - 1, n1 - 1, n1 - 1);
+}
+#endif
+
 template <int R>
 void pass(const bf16* x, const float* xf, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t N,
           int64_t n0, int64_t n1) {
@@ -304,6 +347,12 @@ void pass(const bf16* x, const float* xf, const bf16* w, const bf16* bias, bf16*
   rows_avx512<R>(x, w, bias, y, K, N, n0, n1);
 #elif defined(TFORMER_AVX2_BF16)
   (void)x;
+#ifndef TFORMER_AVX2_ONE_STREAM
+  if constexpr (R == 1) {
+    rows_avx2_two_streams(xf, w, bias, y, K, n0, n1);
+    return;
+  }
+#endif
   rows_avx2<R>(xf, w, bias, y, K, N, n0, n1);
 #else
   (void)x;
