@@ -80,10 +80,10 @@ constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one acc
 // as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own allocation); on a Zen 3 (AVX2, batch 1 read as
 // two streams: rows_avx2_two_streams) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows
 // ahead (medians of five alternated processes; one stream had gained a little from it: 0.976 of the time), and
-// float32 took 1.105-1.136 of the time with them (two runs; no conversion); an int8 step took 0.89 of the time with 8 rows as without on a Zen 4 (its loop widens codes, and
-// the hardware prefetchers fall behind). Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against 0.49 of the
-// bound); on an Intel Xeon, no prefetch was 10-20% slower than 8 rows into L1 (each matrix its own allocation;
-// BENCHMARKS.md).
+// float32 took 1.105-1.136 of the time with them (two runs; no conversion); an int8 step took 0.89 of the time with
+// 8 rows as without on a Zen 4 (its loop widens codes, and the hardware prefetchers fall behind). Earlier, 8 rows
+// into L2 beat 8 rows into L1 there (0.62 against 0.49 of the bound); on an Intel Xeon, no prefetch was 10-20%
+// slower than 8 rows into L1 (each matrix its own allocation; BENCHMARKS.md).
 #ifndef TFORMER_PREFETCH_HINT
 #define TFORMER_PREFETCH_HINT 1
 #endif
@@ -309,13 +309,12 @@ void rows_avx2_two_streams(const float* xs, const bf16* w, const bf16* bias, bf1
   const int64_t body = K - K % 16;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t h = (n1 - n0) / 2;
-  // rows a and b (b == a: one row alone, the odd one at the end of the block)
-  const auto rows = [&](int64_t a, int64_t b, int64_t n) {
+  // rows a of the first half and b of the second (b == a: one row alone, the odd one at the end of the block)
+  const auto rows = [&](int64_t a, int64_t b) {
     const bf16* wa = w + a * K;
     const bf16* wb = w + b * K;
-    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n0 + h, n);
-    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + (n0 + h) * K), K * 2, n0 + h, n0 + 2 * h,
-                                 n + h);
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n0 + h, a);
+    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + (n0 + h) * K), K * 2, n0 + h, n0 + 2 * h, b);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (int64_t k = 0; k < body; k += 16) {
       const __m256 xe = _mm256_loadu_ps(xs + k), xo = _mm256_loadu_ps(xs + k + 8);
@@ -334,8 +333,8 @@ void rows_avx2_two_streams(const float* xs, const bf16* w, const bf16* bias, bf1
     y[a] = bf16(sa + (bias ? static_cast<float>(bias[a]) : 0.0f));
     y[b] = bf16(sb + (bias ? static_cast<float>(bias[b]) : 0.0f));
   };
-  for (int64_t i = 0; i < h; ++i) rows(n0 + i, n0 + h + i, n0 + i);
-  if ((n1 - n0) % 2) rows(n1 - 1, n1 - 1, n1 - 1);
+  for (int64_t i = 0; i < h; ++i) rows(n0 + i, n0 + h + i);
+  if ((n1 - n0) % 2) rows(n1 - 1, n1 - 1);
 }
 #endif
 
