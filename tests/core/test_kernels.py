@@ -149,7 +149,7 @@ def test_the_software_prefetch_distance_is_a_setting_that_changes_no_result():
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
-                    torch.ops.tformer.gemv_bf16(x[:1], w, b),  # batch 1: its own loop (two streams on AVX2)
+                    torch.ops.tformer.gemv_bf16(x[:1], w, b),  # batch 1: its own loop (four streams on AVX2)
                     torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()),
                     torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
                     torch.ops.tformer.gemv_int8(x[:1], layer.codes, layer.scale, layer.bias),
@@ -178,7 +178,7 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
             results.append(
                 (
                     torch.ops.tformer.gemv_bf16(x, w, b),
-                    torch.ops.tformer.gemv_bf16(x[:1], w, b),  # batch 1: its own loop (two streams on AVX2)
+                    torch.ops.tformer.gemv_bf16(x[:1], w, b),  # batch 1: its own loop (four streams on AVX2)
                     torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float()),
                     torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, layer.bias),
                     torch.ops.tformer.gemv_int8(x[:1], layer.codes, layer.scale, layer.bias),
@@ -193,7 +193,7 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
 @pytest.mark.parametrize("i, o", [SPLIT[1:], (576, 9), (100, 7), (17, 2), (8, 1)])
 def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     """The bfloat16 kernel adds a row's products in the same order whatever the batch (batch 1 has a loop of its
-    own: on AVX2 it reads a thread's rows as two streams, rows paired across the halves of its block), so each row
+    own: on AVX2 it reads a thread's rows as four streams, one from each quarter of its block), so each row
     of x (M, I) gets the bits it gets alone, in passes of up to 4 rows and past them. Half of each row of W is
     +-4096 in equal numbers, met by ones in x: float32's partial sums reach ~10^5 and cancel, so any other order of
     the additions shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a
@@ -228,7 +228,7 @@ def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma avx512f avx512_bf16")  # Zen 4, Zen 5
     assert defaults() == (0, 0, 8)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: two streams of bfloat16 rows
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: four streams of bfloat16 rows
     assert defaults() == (0, 0, 8)
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
     assert defaults() == (8, 8, 8)

@@ -78,7 +78,7 @@ constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one acc
 // huge-page-backed block (tformer.memory): on AMD CPUs only the int8 loop, which widens each code, needs the
 // prefetch. On an AMD EPYC Zen 4 (dpbf16) a bfloat16 step took 0.85-0.92 of the time without a software prefetch
 // as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own allocation); on a Zen 3 (AVX2, batch 1 read as
-// two streams: rows_avx2_two_streams) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows
+// two streams: rows_avx2_streams<2>) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows
 // ahead (medians of five alternated processes; one stream had gained a little from it: 0.976 of the time), and
 // float32 took 1.105-1.136 of the time with them (two runs; no conversion); an int8 step took 0.89 of the time with
 // 8 rows as without on a Zen 4 (its loop widens codes, and the hardware prefetchers fall behind). Earlier, 8 rows
@@ -297,44 +297,55 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
 }
 
 #ifdef TFORMER_AVX2_BF16
-// One row of x (batch 1) on AVX2: the thread's block of rows [n0, n1) read as two streams side by side, row n0 + i
-// with row n0 + h + i (h = half the block), so that each load of x serves two rows of W. Per row the arithmetic of
-// rows_avx2<R> for R > 1 (two FMA chains, even and odd columns, added at the end): a row of a batch and the same row
-// alone give the same bits. Measured on an AMD EPYC Zen 3 (scratch loops over SmolLM2's 121 matrices, each against a
-// 1 GiB `sum` read next to it): one thread reads at 1.03 of the `sum` rate this way against 0.81 one row at a time,
-// two threads 0.89 against 0.75-0.78; rows taken two at a time next to each other (two streams 1152 bytes apart) read
-// at 0.65-0.68 (BENCHMARKS.md). A build with -DTFORMER_AVX2_ONE_STREAM keeps rows_avx2<1>, for comparison.
-void rows_avx2_two_streams(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t n0,
-                           int64_t n1) {
+// One row of x (batch 1) on AVX2: the thread's block of rows [n0, n1) read as S streams side by side, rows n0 + i,
+// n0 + h + i, ..., n0 + (S - 1) h + i in one pass (h = the block's rows / S; the last (n1 - n0) % S rows alone), so
+// that each load of x serves S rows of W. Per row the arithmetic of rows_avx2<R> for R > 1 (two FMA chains, even and
+// odd columns, added at the end): a row of a batch and the same row alone give the same bits, whatever S. Measured on
+// an AMD EPYC Zen 3: one row at a time, a thread streams SmolLM2's 121 matrices at ~0.8 of a 1 GiB `sum`'s rate (the
+// widening and the loads of x, a few operations a cache line, hold it back), two streams at ~1.0 (scratch loops); a
+// compiled SmolLM2 step read at 0.834-0.838 of its bound with S = 4, 0.805 with 3, 0.743-0.755 with 2, 0.747 with 6,
+// 0.741 with 8 (medians of five alternated processes, benchmarks/kernel_builds.py); rows taken next to each other
+// (streams 1152 bytes apart) read at 0.65-0.68 (BENCHMARKS.md). -DTFORMER_AVX2_STREAMS=S sets S (4 by default);
+// -DTFORMER_AVX2_ONE_STREAM keeps rows_avx2<1>, for comparison.
+#ifndef TFORMER_AVX2_STREAMS
+#define TFORMER_AVX2_STREAMS 4
+#endif
+template <int S>
+void rows_avx2_streams(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t n0,
+                       int64_t n1) {
   const int64_t body = K - K % 16;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const int64_t h = (n1 - n0) / 2;
-  // rows a of the first half and b of the second (b == a: one row alone, the odd one at the end of the block)
-  const auto rows = [&](int64_t a, int64_t b) {
-    const bf16* wa = w + a * K;
-    const bf16* wb = w + b * K;
-    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + n0 * K), K * 2, n0, n0 + h, a);
-    prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + (n0 + h) * K), K * 2, n0 + h, n0 + 2 * h, b);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  const int64_t h = (n1 - n0) / S;
+  // rows n0 + i, n0 + h + i, ... (T of them; T == 1: a row alone, one of the last (n1 - n0) % S)
+  const auto rows = [&](int64_t i, auto streams) {
+    constexpr int T = decltype(streams)::value;
+    const bf16* wr[T];
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) {
+      wr[t] = w + (i + t * h) * K;
+      acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+      if (T > 1) {
+        prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + (n0 + t * h) * K), K * 2, n0 + t * h,
+                                     n0 + (t + 1) * h, i + t * h);
+      }
+    }
     for (int64_t k = 0; k < body; k += 16) {
       const __m256 xe = _mm256_loadu_ps(xs + k), xo = _mm256_loadu_ps(xs + k + 8);
-      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wa + k));
-      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k));
-      a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(va, 16)), xe, a0);
-      a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(va, high)), xo, a1);
-      b0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(vb, 16)), xe, b0);
-      b1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(vb, high)), xo, b1);
+      for (int t = 0; t < T; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[t] + k));
+        acc[t][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xe, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), xo, acc[t][1]);
+      }
     }
-    float sa = hsum8(_mm256_add_ps(a0, a1)), sb = hsum8(_mm256_add_ps(b0, b1));
-    for (int64_t k = body; k < K; ++k) {
-      sa += static_cast<float>(wa[k]) * xs[k];
-      sb += static_cast<float>(wb[k]) * xs[k];
+    for (int t = 0; t < T; ++t) {
+      float sum = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+      for (int64_t k = body; k < K; ++k) sum += static_cast<float>(wr[t][k]) * xs[k];
+      const int64_t n = i + t * h;
+      y[n] = bf16(sum + (bias ? static_cast<float>(bias[n]) : 0.0f));
     }
-    y[a] = bf16(sa + (bias ? static_cast<float>(bias[a]) : 0.0f));
-    y[b] = bf16(sb + (bias ? static_cast<float>(bias[b]) : 0.0f));
   };
-  for (int64_t i = 0; i < h; ++i) rows(n0 + i, n0 + h + i);
-  if ((n1 - n0) % 2) rows(n1 - 1, n1 - 1);
+  for (int64_t i = n0; i < n0 + h; ++i) rows(i, std::integral_constant<int, S>{});
+  for (int64_t i = n0 + S * h; i < n1; ++i) rows(i, std::integral_constant<int, 1>{});
 }
 #endif
 
@@ -348,7 +359,7 @@ void pass(const bf16* x, const float* xf, const bf16* w, const bf16* bias, bf16*
   (void)x;
 #ifndef TFORMER_AVX2_ONE_STREAM
   if constexpr (R == 1) {
-    rows_avx2_two_streams(xf, w, bias, y, K, n0, n1);
+    rows_avx2_streams<TFORMER_AVX2_STREAMS>(xf, w, bias, y, K, n0, n1);
     return;
   }
 #endif
