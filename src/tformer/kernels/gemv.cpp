@@ -313,10 +313,11 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
 template <int S>
 void rows_avx2_streams(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t n0,
                        int64_t n1) {
+  static_assert(S >= 1, "TFORMER_AVX2_STREAMS must be at least 1");
   const int64_t body = K - K % 16;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const int64_t h = (n1 - n0) / S;
-  // rows n0 + i, n0 + h + i, ... (T of them; T == 1: a row alone, one of the last (n1 - n0) % S)
+  // rows i, i + h, ..., i + (T - 1) h (T == 1: a row alone, one of the last (n1 - n0) % S)
   const auto rows = [&](int64_t i, auto streams) {
     constexpr int T = decltype(streams)::value;
     const bf16* wr[T];
