@@ -6,9 +6,10 @@ flags is its own cached build). The files read some of those flags as knobs for 
 ``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: into which cache the matrix-vector loops prefetch the weights; how far ahead
 is a run-time setting, ``tformer.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` (bfloat16 weights),
 ``TFORMER_PREFETCH_ROWS_F32`` and ``TFORMER_PREFETCH_ROWS_INT8`` set for a process),
-``-DTFORMER_AVX2_STREAMS=S`` (gemv.cpp: how many streams a thread's rows of a bfloat16 matrix are read as at one
-row of ``x`` on AVX2; 4 by default), and ``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of a
-plain OpenMP region). Which setting is fastest is a fact about one CPU; this script is how the defaults were chosen.
+``-DTFORMER_AVX2_STREAMS=S`` and ``-DTFORMER_AVX2_INT8_STREAMS=S`` (gemv.cpp: how many streams a thread's rows of
+a bfloat16 matrix, or of int8 codes, are read as at one row of ``x`` on AVX2; 4 by default), and
+``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of a plain OpenMP region). Which setting is
+fastest is a fact about one CPU; this script is how the defaults were chosen.
 
 Each process loads the model, compiles a static-cache step (``generate(..., compile=True)``'s), and runs ``--bursts``
 bursts of 8 steps, each between two readings of the read bandwidth (a ``sum`` over 1 GiB); it reports the median over

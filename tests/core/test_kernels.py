@@ -211,6 +211,36 @@ def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     assert ((alone.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("i, o", [SPLIT[1:], (576, 9), (100, 7), (40, 10), (17, 2), (16, 1)])
+def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
+    """The same for the int8 kernel where its loops add a row's products in one order whatever the batch: on AVX2
+    (batch 1 reads a thread's rows as four streams, each row with the two chains of the batch loop; blocks of rows
+    with 0-3 left over) and on the portable path. At half of the columns x is 1024 and each row of codes +-127 in
+    equal numbers, in an order of its own: partial sums reach ~10^5 and cancel, and the other half (random x, random
+    codes) is rounded at their scale, so any other order of the float32 additions changes the float32 result."""
+    if kernels.paths()["int8"] == "avx512":
+        pytest.skip("the AVX-512 int8 loop sums batch 1 in four chains and batches in two: other bits, same bound")
+    x, w, b = case(6, i, o, seed=5)
+    layer = Int8Linear.from_weight(w.float(), b.float())
+    x = x.float()
+    g = torch.Generator().manual_seed(6)
+    columns = torch.randperm(i, generator=g)[: i // 2 // 2 * 2]  # the large half, the same columns for every row
+    x[:, columns] = 1024.0
+    signs = torch.tensor([127, -127], dtype=torch.int8).repeat(len(columns) // 2)
+    for row in layer.codes:
+        row[columns] = signs[torch.randperm(len(columns), generator=g)]
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tformer.gemv_int8(rows, layer.codes, layer.scale, layer.bias)
+
+    alone = torch.cat([product(x[r : r + 1]) for r in range(6)])
+    for m in (2, 3, 4, 5, 6):
+        assert torch.equal(product(x[:m]), alone[:m])
+    xd, q, scale, bd = x.double(), layer.codes.double(), layer.scale.double(), layer.bias.double()
+    exact = (xd @ q.T) * scale + bd
+    delta = (i + 2) * U_F32 * ((xd.abs() @ q.abs().T) * scale + bd.abs())
+    assert ((alone.double() - exact).abs() <= U_F32 * (exact.abs() + delta) + delta).all()
+
+
 def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
     def defaults():
         return tuple(kernels.default_prefetch_rows(kind) for kind in kernels.WEIGHT_KINDS)  # bfloat16, float32, int8
@@ -226,10 +256,10 @@ def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
         kernels.default_prefetch_rows()
     monkeypatch.delenv("TFORMER_PREFETCH_ROWS")
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma avx512f avx512_bf16")  # Zen 4, Zen 5
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma avx512f avx512bw avx512_bf16")  # Zen 4, 5
     assert defaults() == (0, 0, 8)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: four streams of bfloat16 rows
-    assert defaults() == (0, 0, 8)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: four streams of codes too
+    assert defaults() == (0, 0, 0)
     monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
     assert defaults() == (8, 8, 8)
     with pytest.raises(ValueError, match="weights='float16'"):

@@ -183,8 +183,8 @@ def default_prefetch_rows(weights: str = "bfloat16") -> int:
     """The software prefetch distance the kernels start with for ``weights`` (``"bfloat16"``, ``"float32"`` or
     ``"int8"`` codes): ``TFORMER_PREFETCH_ROWS`` (bfloat16), ``TFORMER_PREFETCH_ROWS_F32`` or
     ``TFORMER_PREFETCH_ROWS_INT8`` if set (0 to 1024 rows; anything else is a ``ValueError``), else by the rule
-    :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs for bfloat16 and float32. (Loading the kernels, a bad
-    variable is warned about and the rule's distance used.)"""
+    :func:`prefetch_rows` gives: 8 rows, except 0 on AMD CPUs for bfloat16 and float32, and for int8 on AMD CPUs
+    without AVX-512. (Loading the kernels, a bad variable is warned about and the rule's distance used.)"""
     _check_weights(weights)
     name = _PREFETCH_VARIABLES[weights]
     value = os.environ.get(name)
@@ -196,7 +196,11 @@ def default_prefetch_rows(weights: str = "bfloat16") -> int:
 
 
 def _rule_prefetch_rows(weights: str) -> int:
-    return 8 if weights == "int8" or "AuthenticAMD" not in _cpu_vendor() else 0
+    if "AuthenticAMD" not in _cpu_vendor():
+        return 8
+    # AMD: none, but for the AVX-512 int8 loop (one row at a time, each code widened); AVX2's reads a thread's rows
+    # of codes as four streams at batch 1, which the hardware's prefetchers follow better alone
+    return 8 if weights == "int8" and "avx512f" in _cpu_flags().split() else 0
 
 
 def _cpu_vendor() -> str:
@@ -216,7 +220,9 @@ def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
     as with 8 rows ahead; on a Zen 3 (AVX2: each bfloat16 widened to float32 first, batch 1's rows read as two
     streams) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows ahead (medians of five
     alternated processes), and a float32 step took 1.11-1.14 of its time with them. An int8 step (its codes widened)
-    took 0.89 of its time with 8 rows ahead as without (Zen 4); on an Intel Xeon, no prefetch was 10-20% slower
+    took 0.89 of its time with 8 rows ahead as without on the Zen 4's AVX-512 loop (one row at a time); on the Zen 3,
+    whose AVX2 loop reads batch 1's rows of codes as four streams, it read at 0.737 of its bound without against
+    0.655 with 8 rows ahead (0.640 one row at a time with them). On an Intel Xeon, no prefetch was 10-20% slower
     (bfloat16). A setting of the process, read by every call (``benchmarks/decode_step.py``
     compares settings burst by burst)."""
     _check_weights(weights)

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -71,19 +72,20 @@ using tformer_kernels::Floats;
 constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one accumulator each)
 // The software prefetch: each thread requests the row `prefetch_rows` rows ahead of the one it reads (0: none, the
 // hardware's prefetchers alone), into the cache __builtin_prefetch's locality names (TFORMER_PREFETCH_HINT; 1: L2,
-// prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The
-// distance is set at run time, one for each kind of weights: bfloat16, float32, int8 codes
-// (tformer.kernels.prefetch_rows, which picks them per CPU), so that one process can compare settings burst by burst
-// (benchmarks/decode_step.py). What was measured, compiled SmolLM2 steps in paired bursts, the weights in one
-// huge-page-backed block (tformer.memory): on AMD CPUs only the int8 loop, which widens each code, needs the
-// prefetch. On an AMD EPYC Zen 4 (dpbf16) a bfloat16 step took 0.85-0.92 of the time without a software prefetch
-// as with 8 rows ahead into L2 (0.92-0.98 with each matrix its own allocation); on a Zen 3 (AVX2, batch 1 read as
-// two streams: rows_avx2_streams<2>) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows
-// ahead (medians of five alternated processes; one stream had gained a little from it: 0.976 of the time), and
-// float32 took 1.105-1.136 of the time with them (two runs; no conversion); an int8 step took 0.89 of the time with
-// 8 rows as without on a Zen 4 (its loop widens codes, and the hardware prefetchers fall behind). Earlier, 8 rows
-// into L2 beat 8 rows into L1 there (0.62 against 0.49 of the bound); on an Intel Xeon, no prefetch was 10-20%
-// slower than 8 rows into L1 (each matrix its own allocation; BENCHMARKS.md).
+// prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The distance
+// is set at run time, one for each kind of weights: bfloat16, float32, int8 codes (tformer.kernels.prefetch_rows, which
+// picks them per CPU), so that one process can compare settings burst by burst (benchmarks/decode_step.py). What was
+// measured, compiled SmolLM2 steps in paired bursts, the weights in one huge-page-backed block (tformer.memory): on AMD
+// CPUs only the AVX-512 int8 loop, which widens each code and reads one row at a time, needs the prefetch (AVX2's, four
+// streams at batch 1, read at 0.737 of its bound without and 0.655 with 8 rows ahead on a Zen 3). On an AMD EPYC Zen 4
+// (dpbf16) a bfloat16 step took 0.85-0.92 of the time without a software prefetch as with 8 rows ahead into L2
+// (0.92-0.98 with each matrix its own allocation); on a Zen 3 (AVX2, batch 1 read as two streams: rows_avx2_streams<2>)
+// a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows ahead (medians of five alternated
+// processes; one stream had gained a little from it: 0.976 of the time), and float32 took 1.105-1.136 of the time with
+// them (two runs; no conversion); an int8 step took 0.89 of the time with 8 rows as without on a Zen 4 (its loop widens
+// codes, and the hardware prefetchers fall behind). Earlier, 8 rows into L2 beat 8 rows into L1 there (0.62 against
+// 0.49 of the bound); on an Intel Xeon, no prefetch was 10-20% slower than 8 rows into L1 (each matrix its own
+// allocation; BENCHMARKS.md).
 #ifndef TFORMER_PREFETCH_HINT
 #define TFORMER_PREFETCH_HINT 1
 #endif
@@ -465,15 +467,72 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 #else
     dot_portable<R>(xf, qr, K, sum);
 #endif
-    const float b = bias ? bias[n] : 0.0f;
-    for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(sum[r] * scale[n] + b);
+    const float b = bias ? bias[n] : 0.0f;  // one fused multiply-add, whichever loop: the same bits in every one
+    for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(std::fma(sum[r], scale[n], b));
   }
 }
+
+#ifdef TFORMER_AVX2_INT8
+// One row of x (batch 1) on AVX2: rows_avx2_streams's reading for int8 codes, the thread's block of rows [n0, n1)
+// as S streams side by side (rows n0 + i, n0 + h + i, ..., n0 + (S - 1) h + i; h = the block's rows / S; the last
+// (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1 (two FMA
+// chains, the first and second 8 codes of each 16, added at the end): a row of a batch and the same row alone give
+// the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled SmolLM2 int8 steps (medians of five alternated
+// processes, benchmarks/kernel_builds.py): one row at a time with 8 rows of prefetch 0.613 of the bound, four streams
+// without prefetch 0.684. The codes' widening (two instructions for 8 codes) caps a Zen 3 core near the memory's
+// rate even from L3, so what helps is what keeps more of the memory's reads in flight. -DTFORMER_AVX2_INT8_STREAMS=S
+// sets S (4 by default); -DTFORMER_AVX2_INT8_ONE_STREAM keeps rows_int8<1>, for comparison.
+#ifndef TFORMER_AVX2_INT8_STREAMS
+#define TFORMER_AVX2_INT8_STREAMS 4
+#endif
+template <int S, typename Out>
+void rows_int8_streams(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t K, int64_t n0,
+                       int64_t n1) {
+  static_assert(S >= 1, "TFORMER_AVX2_INT8_STREAMS must be at least 1");
+  const int64_t body = K - K % 16;
+  const int64_t h = (n1 - n0) / S;
+  // rows i, i + h, ..., i + (T - 1) h (T == 1: a row alone, one of the last (n1 - n0) % S)
+  const auto rows = [&](int64_t i, auto streams) {
+    constexpr int T = decltype(streams)::value;
+    const int8_t* qr[T];
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) {
+      qr[t] = q + (i + t * h) * K;
+      acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+      if (T > 1) {
+        prefetch_ahead<kInt8Weights>(reinterpret_cast<const char*>(q + (n0 + t * h) * K), K, n0 + t * h,
+                                     n0 + (t + 1) * h, i + t * h);
+      }
+    }
+    for (int64_t k = 0; k < body; k += 16) {
+      const __m256 lo = _mm256_loadu_ps(xf + k), hi = _mm256_loadu_ps(xf + k + 8);
+      for (int t = 0; t < T; ++t) {
+        acc[t][0] = _mm256_fmadd_ps(widen8(qr[t] + k), lo, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(widen8(qr[t] + k + 8), hi, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      float sum = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+      for (int64_t k = body; k < K; ++k) sum += static_cast<float>(qr[t][k]) * xf[k];
+      const int64_t n = i + t * h;
+      y[n] = static_cast<Out>(std::fma(sum, scale[n], bias ? bias[n] : 0.0f));
+    }
+  };
+  for (int64_t i = n0; i < n0 + h; ++i) rows(i, std::integral_constant<int, S>{});
+  for (int64_t i = n0 + S * h; i < n1; ++i) rows(i, std::integral_constant<int, 1>{});
+}
+#endif
 
 template <typename Out>
 void int8_all_rows(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t M, int64_t K,
                    int64_t N) {
   over_rows(M, N, K, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
+#if defined(TFORMER_AVX2_INT8) && !defined(TFORMER_AVX2_INT8_ONE_STREAM)
+    if constexpr (decltype(rows)::value == 1) {
+      rows_int8_streams<TFORMER_AVX2_INT8_STREAMS, Out>(xf + r0 * K, q, scale, bias, y + r0 * N, K, n0, n1);
+      return;
+    }
+#endif
     rows_int8<decltype(rows)::value, Out>(xf + r0 * K, q, scale, bias, y + r0 * N, K, N, n0, n1);
   });
 }
