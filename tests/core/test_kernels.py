@@ -229,6 +229,7 @@ def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     signs = torch.tensor([127, -127], dtype=torch.int8).repeat(len(columns) // 2)
     for row in layer.codes:
         row[columns] = signs[torch.randperm(len(columns), generator=g)]
+
     def product(rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.tformer.gemv_int8(rows, layer.codes, layer.scale, layer.bias)
 
