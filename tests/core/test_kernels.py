@@ -194,16 +194,18 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
 def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     """The bfloat16 kernel adds a row's products in the same order whatever the batch (batch 1 has a loop of its
     own: on AVX2 it reads a thread's rows as four streams, one from each quarter of its block), so each row
-    of x (M, I) gets the bits it gets alone, in passes of up to 4 rows and past them. Half of each row of W is
-    +-4096 in equal numbers, met by ones in x: float32's partial sums reach ~10^5 and cancel, so any other order of
-    the additions shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a
-    bfloat16 rounding)."""
+    of x (M, I) gets the bits it gets alone, in passes of up to 4 rows and past them. At half of the columns x is
+    one and each row of W +-4096 in equal numbers, in an order of its own: float32's partial sums reach ~10^5 and
+    cancel, and the other half (random x and W) is rounded at their scale, so any other order of the additions
+    shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a bfloat16
+    rounding)."""
     x, w, b = case(6, i, o, seed=3)
     g = torch.Generator().manual_seed(4)
-    for row in w:  # the large half: +-4096 in equal numbers at random columns, ones in x there
-        columns = torch.randperm(i, generator=g)[: i // 2 // 2 * 2]
-        row[columns] = 4096.0 * torch.tensor([1.0, -1.0]).repeat(len(columns) // 2).bfloat16()
-        x[:, columns] = 1.0
+    columns = torch.randperm(i, generator=g)[: i // 2 // 2 * 2]  # the large half, the same columns for every row
+    x[:, columns] = 1.0
+    signs = 4096.0 * torch.tensor([1.0, -1.0]).repeat(len(columns) // 2).bfloat16()
+    for row in w:
+        row[columns] = signs[torch.randperm(len(columns), generator=g)]
     alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, b) for r in range(6)])
     for m in (2, 3, 4, 5, 6):
         assert torch.equal(torch.ops.tformer.gemv_bf16(x[:m], w, b), alone[:m])
