@@ -11,7 +11,9 @@
   ``transformers.generate`` in float32 and bfloat16. The decode rate excludes prefill: (time for N tokens - time for
   1) / (N - 1), each time the best of ``--repeats`` rounds in which the settings take turns (run one after another,
   each setting's ~30 s met another state of the host: the bandwidth moved 70.6 -> 45.3 GB/s within one run). Compiled
-  runs are timed after a first, compiling call (its wall time is reported: the compile cost).
+  runs are timed after a first, compiling call (its wall time is reported: the compile cost). Compiled int8 against
+  compiled bfloat16 both ways: the best rates' ratio, and round by round (each round's int8 rate over its bfloat16
+  rate: the two met the host at nearly the same moment).
 * The demo-size model (0.84M parameters, random weights): compiled against eager per-token time, and compiled with
   every step through dynamo (``tformer.generation.static.REPLAY`` off: what ``StaticLM.replay`` saves), the
   settings' runs alternated ``--demo-repeats`` times (each takes ~0.2 s, so host noise would otherwise decide the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 from functools import partial
@@ -43,6 +46,14 @@ def decode_rate(run, new: int, repeats: int) -> float:
     t_new = best(lambda: run(new), repeats)
     t_one = best(lambda: run(1), repeats)
     return (new - 1) / (t_new - t_one)
+
+
+def round_ratios(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> str:
+    """``a``'s decode rate over ``b``'s in each round (the settings take turns, so both rates of a round meet the host
+    at nearly the same moment), as "median (lowest-highest)"; the best rates of a run may come from different
+    rounds, at different bandwidths."""
+    ratios = sorted(rate_a / rate_b for (rate_a, _), (rate_b, _) in zip(a, b, strict=True))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x)"
 
 
 def ours(model, prompts, compile: bool = False, static_cache: bool = False):
@@ -161,10 +172,12 @@ def main() -> None:
                 f"| {paired_shares(paired[name], weights[name])} | {first} |"
             )
         hf_bf16 = rates["transformers generate bfloat16"]
+        int8_name, bf16_name = "tformer compiled int8 (bfloat16 activations)", "tformer compiled bfloat16"
         print(
-            f"\ncompiled bfloat16 / transformers bfloat16: {rates['tformer compiled bfloat16'] / hf_bf16:.2f}x; "
-            f"compiled int8 / compiled bfloat16: "
-            f"{rates['tformer compiled int8 (bfloat16 activations)'] / rates['tformer compiled bfloat16']:.2f}x\n",
+            f"\ncompiled bfloat16 / transformers bfloat16: {rates[bf16_name] / hf_bf16:.2f}x; "
+            f"compiled int8 / compiled bfloat16: {rates[int8_name] / rates[bf16_name]:.2f}x (best rates); "
+            f"round by round, each against the other's rate in the same round: "
+            f"{round_ratios(paired[int8_name], paired[bf16_name])}\n",
             flush=True,
         )
 
