@@ -34,8 +34,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -478,10 +478,12 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 // (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1 (two FMA
 // chains, the first and second 8 codes of each 16, added at the end): a row of a batch and the same row alone give
 // the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled SmolLM2 int8 steps (medians of five alternated
-// processes, benchmarks/kernel_builds.py): one row at a time with 8 rows of prefetch 0.613 of the bound, four streams
-// without prefetch 0.684. The codes' widening (two instructions for 8 codes) caps a Zen 3 core near the memory's
-// rate even from L3, so what helps is what keeps more of the memory's reads in flight. -DTFORMER_AVX2_INT8_STREAMS=S
-// sets S (4 by default); -DTFORMER_AVX2_INT8_ONE_STREAM keeps rows_int8<1>, for comparison.
+// processes, benchmarks/kernel_builds.py; two runs): one row at a time with 8 rows of prefetch 0.613 and 0.640 of the
+// bound, four streams without prefetch 0.684 and 0.737, with it 0.655 (so no prefetch on AVX2 for AMD CPUs:
+// tformer.kernels.prefetch_rows). The codes' widening (two instructions for 8 codes) caps a Zen 3 core near the
+// memory's rate even from L3 (scratch loops; BENCHMARKS.md), so what helps is what keeps more of the memory's reads
+// in flight. -DTFORMER_AVX2_INT8_STREAMS=S sets S (4 by default); -DTFORMER_AVX2_INT8_ONE_STREAM keeps
+// rows_int8<1>, for comparison.
 #ifndef TFORMER_AVX2_INT8_STREAMS
 #define TFORMER_AVX2_INT8_STREAMS 4
 #endif
