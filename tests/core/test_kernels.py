@@ -190,6 +190,17 @@ def test_any_thread_count_gives_the_bits_of_one_thread():
     assert ((results[1][0].double() - exact).abs() <= bound).all()
 
 
+def cancelling_half(x: torch.Tensor, w: torch.Tensor, x_large: float, w_large: torch.Tensor, seed: int) -> None:
+    """In place: at half of the columns (the same for every row of ``w``) ``x`` becomes ``x_large`` and each row of
+    ``w`` +-``w_large`` in equal numbers, in an order of its own; the other half keeps its random values."""
+    g = torch.Generator().manual_seed(seed)
+    columns = torch.randperm(x.shape[1], generator=g)[: x.shape[1] // 2 // 2 * 2]
+    x[:, columns] = x_large
+    signs = torch.stack([w_large, -w_large]).repeat(len(columns) // 2)
+    for row in w:
+        row[columns] = signs[torch.randperm(len(columns), generator=g)]
+
+
 @pytest.mark.parametrize("i, o", [SPLIT[1:], (576, 9), (100, 7), (17, 2), (8, 1)])
 def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     """The bfloat16 kernel adds a row's products in the same order whatever the batch (batch 1 has a loop of its
@@ -200,12 +211,7 @@ def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a bfloat16
     rounding)."""
     x, w, b = case(6, i, o, seed=3)
-    g = torch.Generator().manual_seed(4)
-    columns = torch.randperm(i, generator=g)[: i // 2 // 2 * 2]  # the large half, the same columns for every row
-    x[:, columns] = 1.0
-    signs = 4096.0 * torch.tensor([1.0, -1.0]).repeat(len(columns) // 2).bfloat16()
-    for row in w:
-        row[columns] = signs[torch.randperm(len(columns), generator=g)]
+    cancelling_half(x, w, 1.0, torch.tensor(4096.0).bfloat16(), seed=4)
     alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, b) for r in range(6)])
     for m in (2, 3, 4, 5, 6):
         assert torch.equal(torch.ops.tformer.gemv_bf16(x[:m], w, b), alone[:m])
@@ -225,12 +231,7 @@ def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     x, w, b = case(6, i, o, seed=5)
     layer = Int8Linear.from_weight(w.float(), b.float())
     x = x.float()
-    g = torch.Generator().manual_seed(6)
-    columns = torch.randperm(i, generator=g)[: i // 2 // 2 * 2]  # the large half, the same columns for every row
-    x[:, columns] = 1024.0
-    signs = torch.tensor([127, -127], dtype=torch.int8).repeat(len(columns) // 2)
-    for row in layer.codes:
-        row[columns] = signs[torch.randperm(len(columns), generator=g)]
+    cancelling_half(x, layer.codes, 1024.0, torch.tensor(127, dtype=torch.int8), seed=6)
 
     def product(rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.tformer.gemv_int8(rows, layer.codes, layer.scale, layer.bias)

@@ -298,6 +298,29 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
   }
 }
 
+#if defined(TFORMER_AVX2_BF16) || defined(TFORMER_AVX2_INT8)
+// A thread's block of rows [n0, n1) of W (`row_bytes` each, from `w`) read as S streams side by side, for one row of
+// x: rows(i, h, std::integral_constant<int, S>{}) takes rows i, i + h, ..., i + (S - 1) h in one pass (h = the
+// block's rows / S; i from n0 to n0 + h), each stream prefetching its own rows (prefetch_rows[kind] ahead, within the
+// stream); then rows(i, h, std::integral_constant<int, 1>{}) takes each of the last (n1 - n0) % S rows alone. What
+// the AVX2 loops at batch 1 share (rows_avx2_streams, rows_int8_streams); each loop loads S rows of W per load of x.
+template <int S, Weights kind, typename Rows>
+void in_streams(const void* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& rows) {
+  static_assert(S >= 1, "TFORMER_AVX2_STREAMS and TFORMER_AVX2_INT8_STREAMS must be at least 1");
+  const char* block = static_cast<const char*>(w);
+  const int64_t h = (n1 - n0) / S;
+  for (int64_t i = n0; i < n0 + h; ++i) {
+    if constexpr (S > 1) {
+      for (int t = 0; t < S; ++t) {
+        prefetch_ahead<kind>(block + (n0 + t * h) * row_bytes, row_bytes, n0 + t * h, n0 + (t + 1) * h, i + t * h);
+      }
+    }
+    rows(i, h, std::integral_constant<int, S>{});
+  }
+  for (int64_t i = n0 + S * h; i < n1; ++i) rows(i, h, std::integral_constant<int, 1>{});
+}
+#endif
+
 #ifdef TFORMER_AVX2_BF16
 // One row of x (batch 1) on AVX2: the thread's block of rows [n0, n1) read as S streams side by side, rows n0 + i,
 // n0 + h + i, ..., n0 + (S - 1) h + i in one pass (h = the block's rows / S; the last (n1 - n0) % S rows alone), so
@@ -315,22 +338,16 @@ void rows_portable(const float* xf, const bf16* w, const bf16* bias, bf16* y, in
 template <int S>
 void rows_avx2_streams(const float* xs, const bf16* w, const bf16* bias, bf16* y, int64_t K, int64_t n0,
                        int64_t n1) {
-  static_assert(S >= 1, "TFORMER_AVX2_STREAMS must be at least 1");
   const int64_t body = K - K % 16;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const int64_t h = (n1 - n0) / S;
   // rows i, i + h, ..., i + (T - 1) h (T == 1: a row alone, one of the last (n1 - n0) % S)
-  const auto rows = [&](int64_t i, auto streams) {
+  in_streams<S, kBf16Weights>(w, K * 2, n0, n1, [&](int64_t i, int64_t h, auto streams) {
     constexpr int T = decltype(streams)::value;
     const bf16* wr[T];
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) {
       wr[t] = w + (i + t * h) * K;
       acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-      if (T > 1) {
-        prefetch_ahead<kBf16Weights>(reinterpret_cast<const char*>(w + (n0 + t * h) * K), K * 2, n0 + t * h,
-                                     n0 + (t + 1) * h, i + t * h);
-      }
     }
     for (int64_t k = 0; k < body; k += 16) {
       const __m256 xe = _mm256_loadu_ps(xs + k), xo = _mm256_loadu_ps(xs + k + 8);
@@ -346,9 +363,7 @@ void rows_avx2_streams(const float* xs, const bf16* w, const bf16* bias, bf16* y
       const int64_t n = i + t * h;
       y[n] = bf16(sum + (bias ? static_cast<float>(bias[n]) : 0.0f));
     }
-  };
-  for (int64_t i = n0; i < n0 + h; ++i) rows(i, std::integral_constant<int, S>{});
-  for (int64_t i = n0 + S * h; i < n1; ++i) rows(i, std::integral_constant<int, 1>{});
+  });
 }
 #endif
 
@@ -474,8 +489,8 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 
 #ifdef TFORMER_AVX2_INT8
 // One row of x (batch 1) on AVX2: rows_avx2_streams's reading for int8 codes, the thread's block of rows [n0, n1)
-// as S streams side by side (rows n0 + i, n0 + h + i, ..., n0 + (S - 1) h + i; h = the block's rows / S; the last
-// (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1 (two FMA
+// as S streams side by side (in_streams: rows n0 + i, n0 + h + i, ..., n0 + (S - 1) h + i; h = the block's rows / S;
+// the last (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1 (two FMA
 // chains, the first and second 8 codes of each 16, added at the end): a row of a batch and the same row alone give
 // the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled SmolLM2 int8 steps (medians of five alternated
 // processes, benchmarks/kernel_builds.py; two runs): one row at a time with 8 rows of prefetch 0.613 and 0.640 of the
@@ -490,21 +505,15 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 template <int S, typename Out>
 void rows_int8_streams(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t K, int64_t n0,
                        int64_t n1) {
-  static_assert(S >= 1, "TFORMER_AVX2_INT8_STREAMS must be at least 1");
   const int64_t body = K - K % 16;
-  const int64_t h = (n1 - n0) / S;
   // rows i, i + h, ..., i + (T - 1) h (T == 1: a row alone, one of the last (n1 - n0) % S)
-  const auto rows = [&](int64_t i, auto streams) {
+  in_streams<S, kInt8Weights>(q, K, n0, n1, [&](int64_t i, int64_t h, auto streams) {
     constexpr int T = decltype(streams)::value;
     const int8_t* qr[T];
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) {
       qr[t] = q + (i + t * h) * K;
       acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-      if (T > 1) {
-        prefetch_ahead<kInt8Weights>(reinterpret_cast<const char*>(q + (n0 + t * h) * K), K, n0 + t * h,
-                                     n0 + (t + 1) * h, i + t * h);
-      }
     }
     for (int64_t k = 0; k < body; k += 16) {
       const __m256 lo = _mm256_loadu_ps(xf + k), hi = _mm256_loadu_ps(xf + k + 8);
@@ -519,9 +528,7 @@ void rows_int8_streams(const float* xf, const int8_t* q, Floats scale, Floats bi
       const int64_t n = i + t * h;
       y[n] = static_cast<Out>(std::fma(sum, scale[n], bias ? bias[n] : 0.0f));
     }
-  };
-  for (int64_t i = n0; i < n0 + h; ++i) rows(i, std::integral_constant<int, S>{});
-  for (int64_t i = n0 + S * h; i < n1; ++i) rows(i, std::integral_constant<int, 1>{});
+  });
 }
 #endif
 
