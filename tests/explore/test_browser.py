@@ -58,6 +58,38 @@ def test_top_k_greys_out_the_rest(session):
     session.until(lambda: page.locator("#bars .bar.dropped").count() == 0, "no dropped token")
 
 
+def test_a_late_answer_to_an_older_request_does_not_overwrite_the_bars(session):
+    """The server computes one request at a time in no set order, so answers can come back out of order. Hold the
+    answer for top-k = 5 back until the one for top-k = 3 is drawn, then let it through: the bars stay top-k = 3's."""
+    page = session.page
+    held = []
+
+    def hold_the_first(route):
+        if held:
+            return route.fallback()
+        held.append(route)
+
+    def dropped_in_last_answer():  # the page's own record of the last answer it parsed (see api() in app.js)
+        return page.evaluate("() => state.last['/api/analyze'].next.filter((n) => !n.kept).length")
+
+    page.route("**/api/analyze", hold_the_first)
+    try:
+        page.fill("#top-k", "5")
+        page.dispatch_event("#top-k", "change")
+        session.until(lambda: held, "the request for top-k = 5")
+        page.fill("#top-k", "3")
+        page.dispatch_event("#top-k", "change")
+        session.until(lambda: page.locator("#bars .bar.dropped").count() == 17, "17 dropped tokens")
+        held[0].fallback()
+        session.until(lambda: dropped_in_last_answer() == 15, "the late answer for top-k = 5")
+        assert page.locator("#bars .bar.dropped").count() == 17
+    finally:
+        page.unroute("**/api/analyze", hold_the_first)
+        page.fill("#top-k", "")
+        page.dispatch_event("#top-k", "change")
+        session.until(lambda: page.locator("#bars .bar.dropped").count() == 0, "no dropped token")
+
+
 def test_masking_after_the_softmax_shows_the_leak(session):
     page = session.page
     before = page.locator("#grids").get_attribute("data-ready")
@@ -68,6 +100,37 @@ def test_masking_after_the_softmax_shows_the_leak(session):
     page.check("input[name=mask][value=before]")
     session.wait_for_maps(before)
     assert "every row sums to 1" in page.inner_text("#leak")
+
+
+def test_late_answers_to_an_older_request_do_not_overwrite_the_maps(session):
+    """As for the bars: hold back the two layers' maps with the mask after the softmax until the maps with it before
+    are drawn, then let them through one at a time: the page keeps the newer maps (no leak)."""
+    page = session.page
+    held = []
+
+    def hold_while_after(route):
+        if route.request.post_data_json.get("mask") != "after":
+            return route.fallback()
+        held.append(route)
+
+    def late_answer_parsed():  # the page's record of the last map answer it parsed: one with the leak
+        return page.evaluate("() => (state.last['/api/attention'] || { row_sum_min: [1] }).row_sum_min[0] < 0.999")
+
+    page.route("**/api/attention", hold_while_after)
+    try:
+        page.check("input[name=mask][value=after]")
+        session.until(lambda: len(held) == 2, "the two layers' requests with the mask after the softmax")
+        before = session.ready()
+        page.check("input[name=mask][value=before]")
+        session.wait_for_maps(before)
+        for route in held:
+            page.evaluate("() => { state.last['/api/attention'] = null; }")
+            route.fallback()
+            session.until(late_answer_parsed, "a late answer with the mask after the softmax")
+        assert "every row sums to 1" in page.inner_text("#leak")
+        assert page.locator("#grids canvas").count() == 2 * 4
+    finally:
+        page.unroute("**/api/attention", hold_while_after)
 
 
 def test_clicking_a_map_enlarges_it_and_sampling_appends_a_token(session):

@@ -14,6 +14,28 @@ async function api(path, body) {
   return data;
 }
 
+// The server computes one request at a time, in no set order, so answers can come back out of order: each view draws
+// only the answer to the latest request made for it, and a slow answer to an older one is dropped.
+const issued = {};
+
+function ticket(view) {
+  // a new request for `view`; the function returned tells whether it is still the latest
+  const n = (issued[view] = (issued[view] || 0) + 1);
+  return () => issued[view] === n;
+}
+
+async function latest(view, work) {
+  // `work`'s answer, or null where a later request for `view` was made meanwhile (errors of such a one too)
+  const current = ticket(view);
+  try {
+    const answer = await work;
+    return current() ? answer : null;
+  } catch (err) {
+    if (current()) throw err;
+    return null;
+  }
+}
+
 function visible(text) {
   // whitespace made visible: a middle dot for a space, arrows for tab and newline
   return text.replace(/ /g, "\u00b7").replace(/\t/g, "\u2192").replace(/\n/g, "\u21b5").replace(/\r/g, "\u240d");
@@ -47,14 +69,14 @@ function maskMode() {
 function setStatus(text) { $("status").textContent = text; }
 function setError(text) { $("error").textContent = text || ""; }
 
-function renderTokens(tokens) {
+function renderTokens(tokens, ids) {
   const box = $("tokens");
   box.replaceChildren();
   tokens.forEach((token, i) => {
     const span = document.createElement("span");
     span.className = "token";
     span.textContent = visible(token);
-    span.title = `#${i} id ${state.analysis.ids[i]}`;
+    span.title = `#${i} id ${ids[i]}`;
     span.dataset.index = i;
     span.addEventListener("mouseenter", () => { state.hover = i; drawDetail(); });
     span.addEventListener("mouseleave", () => { state.hover = null; drawDetail(); });
@@ -121,10 +143,19 @@ function paint(canvas, weights, size) {
 
 async function loadMaps() {
   const kinds = state.info.kinds;
+  const requests = [];
+  for (const kind of kinds) {
+    for (let layer = 0; layer < state.info.layers[kind]; layer++) {
+      const body = { ...common(), layer, kind, scale_factor: scaleFactor(), mask: maskMode() };
+      requests.push(api("/api/attention", body).then((data) => ({ kind, layer, data })));
+    }
+  }
+  const results = await latest("maps", Promise.all(requests));
+  if (!results) return;  // a later request draws the maps
   const grids = $("grids");
   grids.replaceChildren();
   state.maps = {};
-  const requests = [];
+  const gridOf = {};
   for (const kind of kinds) {
     const grid = document.createElement("div");
     grid.className = "grid";
@@ -136,15 +167,12 @@ async function loadMaps() {
       decoder: "decoder self-attention (causal)", cross: "cross-attention (decoder -> encoder)" }[kind];
     grid.appendChild(title);
     grids.appendChild(grid);
-    for (let layer = 0; layer < state.info.layers[kind]; layer++) {
-      const body = { ...common(), layer, kind, scale_factor: scaleFactor(), mask: maskMode() };
-      requests.push(api("/api/attention", body).then((data) => ({ kind, layer, data, grid })));
-    }
+    gridOf[kind] = grid;
   }
-  const results = await Promise.all(requests);
   results.sort((a, b) => a.layer - b.layer);
   const size = Math.max(24, Math.min(64, Math.floor(560 / state.info.heads)));
-  for (const { kind, layer, data, grid } of results) {
+  for (const { kind, layer, data } of results) {
+    const grid = gridOf[kind];
     state.maps[`${kind}/${layer}`] = data;
     const label = document.createElement("div");
     label.className = "layer-label";
@@ -214,7 +242,9 @@ function drawDetail() {
 
 async function loadPositions() {
   const kind = state.info.kinds[0];
-  const data = await api("/api/positions", { ...common(), layer: Math.floor(state.info.layers[kind] / 2), kind });
+  const body = { ...common(), layer: Math.floor(state.info.layers[kind] / 2), kind };
+  const data = await latest("positions", api("/api/positions", body));
+  if (!data) return;
   const note = $("positions-note");
   const canvas = $("positions");
   const ctx = canvas.getContext("2d");
@@ -249,16 +279,23 @@ async function loadPositions() {
 }
 
 async function analyze() {
+  const current = ticket("analyze");
   setError("");
   setStatus("computing ...");
   try {
-    state.analysis = await api("/api/analyze", { ...common(), ...sampling() });
-    renderTokens(state.analysis.tokens);
-    renderBars(state.analysis.next);
+    const request = api("/api/analyze", { ...common(), ...sampling() });
+    const [data, bars] = await Promise.all([request, latest("bars", request)]);
+    if (!current()) return;  // a later analysis draws everything
+    if (bars) {  // else a later change of the sampling settings draws the bars
+      state.analysis = bars;
+      renderBars(bars.next);
+    }
+    renderTokens(data.tokens, data.ids);
     await loadMaps();
     await loadPositions();
-    setStatus(`${state.analysis.ids.length} tokens`);
+    if (current()) setStatus(`${data.ids.length} tokens`);
   } catch (err) {
+    if (!current()) return;
     setStatus("");
     setError(err.message);
   }
@@ -267,7 +304,8 @@ async function analyze() {
 async function refreshBars() {
   if (!state.analysis) return;
   try {
-    const data = await api("/api/analyze", { ...common(), ...sampling() });
+    const data = await latest("bars", api("/api/analyze", { ...common(), ...sampling() }));
+    if (!data) return;
     state.analysis = data;
     renderBars(data.next);
     setError("");
