@@ -7,7 +7,9 @@ flags is its own cached build). The files read some of those flags as knobs for 
 is a run-time setting, ``tformer.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` (bfloat16 weights),
 ``TFORMER_PREFETCH_ROWS_F32`` and ``TFORMER_PREFETCH_ROWS_INT8`` set for a process),
 ``-DTFORMER_AVX2_STREAMS=S`` and ``-DTFORMER_AVX2_INT8_STREAMS=S`` (gemv.cpp: how many streams a thread's rows of
-a bfloat16 matrix, or of int8 codes, are read as at one row of ``x`` on AVX2; 4 by default), and
+a bfloat16 matrix, or of int8 codes, are read as at one row of ``x`` on AVX2; 4 by default),
+``-DTFORMER_AVX2_INT8_WIDEN`` (gemv.cpp: the AVX2 int8 loops widen every code on AMD CPUs too, in place of reading
+the codes' bits as float32), and
 ``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of a plain OpenMP region). Which setting is
 fastest is a fact about one CPU; this script is how the defaults were chosen.
 

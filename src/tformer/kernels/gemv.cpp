@@ -415,12 +415,129 @@ inline __m512 widen(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_ep
 inline __m256 widen8(const int8_t* codes) {  // 8 int8 -> float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
 }
+
+// The codes' bits read as float32 (AVX2, AMD CPUs). Widening costs two instructions for 8 codes beside their FMA; on
+// a Zen 3 core that caps the int8 loop at ~15 G codes/s, the bfloat16 loop's rate in weights (15 GB/s of codes from
+// L3 against its 30 of bfloat16; BENCHMARKS.md). Instead: a code's byte b = c ^ 0x80 = c + 128 (1 to 255) alone in
+// bits 8p..8p+7 of a 32-bit word, the other bits zero, is the float b 2^(8p - 149): exponent field 0 or (bit 23 set)
+// 1, both binades in steps of 2^-149, so the value is linear in b; byte 3 shifted down by 24 is b 2^-149. A 32-byte
+// load, one XOR, three ANDs and a shift give 32 codes as four vectors of floats, no conversion, and
+//   sum_k c_k x_k = 2^T sum_k b_k x'_k - 128 sum_k x_k,
+// where x' is x with each 32 columns permuted (code 4j + p is byte p of word j: x'[8p + j] = x[4j + p]) and scaled
+// by 2^(149 - 8p - T) (2^(149 - T) for p = 3), T = ilogb(max |x|) + 24: x' stays below 2^126, and each product (b x
+// 2^-T, below 2^-15) is a normal float rounded once in its FMA, as a widened code's. But the sum is over b = c + 128
+// in place of c, so the float32 error bound has |c| + 128 where the widening loop's has |c| (for SmolLM2's codes,
+// mean |c| ~ 30: about 5x the bound, still ~10^4 below the int8 rounding itself); 2^T and the correction are taken in
+// double. The loops widen the codes instead where the bits would not be exact: the calling or working thread has
+// denormals-are-zero set in MXCSR (torch.set_flush_denormal(True): the subnormal codes would read as 0) or x has a
+// value that is not finite (inf - inf); and on CPUs other than AMD's (Intel cores may take microcode assists on
+// subnormal operands; unmeasured) and with -DTFORMER_AVX2_INT8_WIDEN. Both int8 loops (batch 1 and batches) read the
+// bits alike, so a row of a batch still gets the bits it gets alone.
+struct CodeBits {
+  std::vector<float> xs;       // per row of x its first `body` columns, permuted and scaled
+  std::vector<double> factor;  // per row: 2^T
+  std::vector<double> offset;  // per row: 128 times the sum of its first `body` columns
+  int64_t body = 0;            // K - K % 32: the columns read as bits; the rest one by one, as codes
+  bool on = false;
+};
+
+struct CodeBitsRows {  // R rows of a CodeBits from row r0, or xs == nullptr: widen the codes
+  const float* xs;
+  const double* factor;
+  const double* offset;
+  int64_t body;
+};
+
+inline bool denormals_are_zero() { return (_mm_getcsr() & 0x40) != 0; }
+
+inline CodeBitsRows code_bits_rows(const CodeBits& bits, int64_t r0) {  // on this thread, from row r0
+  if (!bits.on || denormals_are_zero()) return {nullptr, nullptr, nullptr, 0};
+  return {bits.xs.data() + r0 * bits.body, bits.factor.data() + r0, bits.offset.data() + r0, bits.body};
+}
+
+inline CodeBits code_bits(const float* xf, int64_t M, int64_t K) {
+  CodeBits bits;
+#ifndef TFORMER_AVX2_INT8_WIDEN
+  static const bool amd = __builtin_cpu_is("amd");
+  bits.body = K - K % 32;
+  if (!amd || bits.body == 0 || denormals_are_zero()) return bits;
+  bits.xs.resize(M * bits.body);
+  bits.factor.resize(M);
+  bits.offset.resize(M);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* x = xf + r * K;
+    // max |x|, whether any |x| is inf or nan, and sum x in double, 8 columns a step
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 top8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    __m256d sum4[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+    for (int64_t k = 0; k < bits.body; k += 8) {
+      const __m256 v = _mm256_loadu_ps(x + k), a = _mm256_and_ps(v, magnitude);
+      top8 = _mm256_max_ps(top8, a);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf, or nan (unordered)
+      sum4[0] = _mm256_add_pd(sum4[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      sum4[1] = _mm256_add_pd(sum4[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    if (_mm256_movemask_ps(bad) != 0) return bits;
+    alignas(32) float tops[8];
+    alignas(32) double sums[4];
+    _mm256_store_ps(tops, top8);
+    _mm256_store_pd(sums, _mm256_add_pd(sum4[0], sum4[1]));
+    const float top = *std::max_element(tops, tops + 8);
+    const double total = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    const int T = (top > 0.0f ? std::ilogb(top) : 0) + 24;
+    double scaled[4];  // powers of two: x times each is exact, and a float
+    for (int p = 0; p < 4; ++p) scaled[p] = std::ldexp(1.0, 149 - 8 * (p % 3) - T);
+    float* xs = bits.xs.data() + r * bits.body;
+    for (int64_t c = 0; c < bits.body; c += 32) {
+      for (int p = 0; p < 4; ++p) {
+        for (int j = 0; j < 8; ++j) xs[c + 8 * p + j] = static_cast<float>(x[c + 4 * j + p] * scaled[p]);
+      }
+    }
+    bits.factor[r] = std::ldexp(1.0, T);
+    bits.offset[r] = 128.0 * total;
+  }
+  bits.on = true;
+#endif
+  return bits;
+}
+
+struct CodeQuarters {  // 32 codes as four vectors of floats b 2^(8p - 149) (byte 3: b 2^-149)
+  __m256 f[4];
+};
+
+inline CodeQuarters code_quarters(const int8_t* codes) {
+  const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)),
+                                     _mm256_set1_epi8(static_cast<char>(0x80)));
+  return {{_mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFF))),
+           _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFF00))),
+           _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFF0000))),
+           _mm256_castsi256_ps(_mm256_srli_epi32(v, 24))}};
+}
+
+// One row's 32 codes into its two chains, in one order for every loop: bytes 0 and 2 into a0, 1 and 3 into a1.
+inline void add_quarters(const CodeQuarters& q, const float* xs, __m256& a0, __m256& a1) {
+  a0 = _mm256_fmadd_ps(q.f[0], _mm256_loadu_ps(xs), a0);
+  a1 = _mm256_fmadd_ps(q.f[1], _mm256_loadu_ps(xs + 8), a1);
+  a0 = _mm256_fmadd_ps(q.f[2], _mm256_loadu_ps(xs + 16), a0);
+  a1 = _mm256_fmadd_ps(q.f[3], _mm256_loadu_ps(xs + 24), a1);
+}
+
+// A row's sum of products from its two chains of bits, its 2^T and offset, and its last K - body columns one by one.
+inline float bits_sum(__m256 a0, __m256 a1, double factor, double offset, const int8_t* qr, const float* x,
+                      int64_t body, int64_t K) {
+  float sum = static_cast<float>(static_cast<double>(hsum8(_mm256_add_ps(a0, a1))) * factor - offset);
+  for (int64_t k = body; k < K; ++k) sum += static_cast<float>(qr[k]) * x[k];
+  return sum;
+}
+#else
+struct CodeBitsRows {};  // the codes' bits are read on AVX2 only
 #endif
 
 // Weight-only int8: out[r, n] = (sum_k xf[r, k] q[n, k]) * scale[n] + bias[n], xf float32 (R rows of K).
 template <int R, typename Out>
-void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t K, int64_t N, int64_t n0,
-               int64_t n1) {
+void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const int8_t* q, Floats scale, Floats bias,
+               Out* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qr = q + n * K;
     float sum[R];
@@ -454,6 +571,20 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
       sum[r] = _mm512_reduce_add_ps(acc[r][0]);
     }
 #elif defined(TFORMER_AVX2_INT8)
+    if (bits.xs != nullptr) {  // the codes' bits, two chains a row of x (as at batch 1: rows_int8_streams)
+      __m256 acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < bits.body; k += 32) {
+        const CodeQuarters codes = code_quarters(qr + k);
+        for (int r = 0; r < R; ++r) add_quarters(codes, bits.xs + r * bits.body + k, acc[r][0], acc[r][1]);
+      }
+      for (int r = 0; r < R; ++r) {
+        sum[r] = bits_sum(acc[r][0], acc[r][1], bits.factor[r], bits.offset[r], qr, xf + r * K, bits.body, K);
+      }
+      const float b = bias ? bias[n] : 0.0f;
+      for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(std::fma(sum[r], scale[n], b));
+      continue;
+    }
     // 16 codes a block, widened 8 at a time; four independent FMA chains at one row of x, two above
     constexpr int U = R == 1 ? 2 : 1;
     __m256 acc[R][2 * U];
@@ -490,21 +621,21 @@ void rows_int8(const float* xf, const int8_t* q, Floats scale, Floats bias, Out*
 #ifdef TFORMER_AVX2_INT8
 // One row of x (batch 1) on AVX2: rows_avx2_streams's reading for int8 codes, the thread's block of rows [n0, n1)
 // as S streams side by side (in_streams: rows n0 + i, n0 + h + i, ..., n0 + (S - 1) h + i; h = the block's rows / S;
-// the last (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1 (two FMA
-// chains, the first and second 8 codes of each 16, added at the end): a row of a batch and the same row alone give
-// the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled SmolLM2 int8 steps (medians of five alternated
-// processes, benchmarks/kernel_builds.py; two runs): one row at a time with 8 rows of prefetch 0.613 and 0.640 of the
-// bound, four streams without prefetch 0.684 and 0.737, with it 0.655 (so no prefetch on AVX2 for AMD CPUs:
-// tformer.kernels.prefetch_rows). The codes' widening (two instructions for 8 codes) caps a Zen 3 core near the
-// memory's rate even from L3 (scratch loops; BENCHMARKS.md), so what helps is what keeps more of the memory's reads
-// in flight. -DTFORMER_AVX2_INT8_STREAMS=S sets S (4 by default); -DTFORMER_AVX2_INT8_ONE_STREAM keeps
-// rows_int8<1>, for comparison.
+// the last (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1
+// (two FMA chains, added at the end; the codes' bits (code_bits) or widened codes, as the batch loop reads them): a
+// row of a batch and the same row alone give the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled
+// SmolLM2 int8 steps (medians of five alternated processes, benchmarks/kernel_builds.py): widened codes one row at a
+// time with 8 rows of prefetch 0.613 and 0.640 of the bound, four streams without prefetch 0.684 and 0.737, with it
+// 0.655 (so no prefetch on AVX2 for AMD CPUs: tformer.kernels.prefetch_rows); four streams of the codes' bits 0.719
+// and 0.694 against 0.661 and 0.635 widened (two more runs): the widening capped a Zen 3 core at ~15 G codes/s even
+// from L3, the bits run at 21-26 (BENCHMARKS.md). -DTFORMER_AVX2_INT8_STREAMS=S sets S (4 by default);
+// -DTFORMER_AVX2_INT8_ONE_STREAM keeps rows_int8<1>, for comparison.
 #ifndef TFORMER_AVX2_INT8_STREAMS
 #define TFORMER_AVX2_INT8_STREAMS 4
 #endif
 template <int S, typename Out>
-void rows_int8_streams(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t K, int64_t n0,
-                       int64_t n1) {
+void rows_int8_streams(const float* xf, const CodeBitsRows& bits, const int8_t* q, Floats scale, Floats bias, Out* y,
+                       int64_t K, int64_t n0, int64_t n1) {
   const int64_t body = K - K % 16;
   // rows i, i + h, ..., i + (T - 1) h (T == 1: a row alone, one of the last (n1 - n0) % S)
   in_streams<S, kInt8Weights>(q, K, n0, n1, [&](int64_t i, int64_t h, auto streams) {
@@ -514,6 +645,17 @@ void rows_int8_streams(const float* xf, const int8_t* q, Floats scale, Floats bi
     for (int t = 0; t < T; ++t) {
       qr[t] = q + (i + t * h) * K;
       acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    if (bits.xs != nullptr) {  // the codes' bits (code_bits); each row as in rows_int8
+      for (int64_t k = 0; k < bits.body; k += 32) {
+        for (int t = 0; t < T; ++t) add_quarters(code_quarters(qr[t] + k), bits.xs + k, acc[t][0], acc[t][1]);
+      }
+      for (int t = 0; t < T; ++t) {
+        const int64_t n = i + t * h;
+        const float sum = bits_sum(acc[t][0], acc[t][1], bits.factor[0], bits.offset[0], qr[t], xf, bits.body, K);
+        y[n] = static_cast<Out>(std::fma(sum, scale[n], bias ? bias[n] : 0.0f));
+      }
+      return;
     }
     for (int64_t k = 0; k < body; k += 16) {
       const __m256 lo = _mm256_loadu_ps(xf + k), hi = _mm256_loadu_ps(xf + k + 8);
@@ -535,14 +677,22 @@ void rows_int8_streams(const float* xf, const int8_t* q, Floats scale, Floats bi
 template <typename Out>
 void int8_all_rows(const float* xf, const int8_t* q, Floats scale, Floats bias, Out* y, int64_t M, int64_t K,
                    int64_t N) {
+#ifdef TFORMER_AVX2_INT8
+  const CodeBits all_bits = code_bits(xf, M, K);
+#endif
   over_rows(M, N, K, [&](int64_t n0, int64_t n1, int64_t r0, auto rows) {
+#ifdef TFORMER_AVX2_INT8
+    const CodeBitsRows bits = code_bits_rows(all_bits, r0);  // checked on this thread: its MXCSR is its own
+#else
+    const CodeBitsRows bits{};
+#endif
 #if defined(TFORMER_AVX2_INT8) && !defined(TFORMER_AVX2_INT8_ONE_STREAM)
     if constexpr (decltype(rows)::value == 1) {
-      rows_int8_streams<TFORMER_AVX2_INT8_STREAMS, Out>(xf + r0 * K, q, scale, bias, y + r0 * N, K, n0, n1);
+      rows_int8_streams<TFORMER_AVX2_INT8_STREAMS, Out>(xf + r0 * K, bits, q, scale, bias, y + r0 * N, K, n0, n1);
       return;
     }
 #endif
-    rows_int8<decltype(rows)::value, Out>(xf + r0 * K, q, scale, bias, y + r0 * N, K, N, n0, n1);
+    rows_int8<decltype(rows)::value, Out>(xf + r0 * K, bits, q, scale, bias, y + r0 * N, K, N, n0, n1);
   });
 }
 
@@ -672,6 +822,8 @@ std::string gemv_paths() {
 #endif
 #if defined(TFORMER_AVX512_INT8)
   paths += " int8=avx512";
+#elif defined(TFORMER_AVX2_INT8) && !defined(TFORMER_AVX2_INT8_WIDEN)
+  paths += __builtin_cpu_is("amd") ? " int8=avx2_bits" : " int8=avx2";  // code_bits: the codes' bits, or widened
 #elif defined(TFORMER_AVX2_INT8)
   paths += " int8=avx2";
 #else
