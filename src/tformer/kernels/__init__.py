@@ -30,7 +30,9 @@ oneDNN ran at 160-420 (MiniLM's embeddings 1.7-1.8x faster). Everything else (tr
 goes to ``F.linear``. The kernel computes what ``F.linear`` computes up to the order of the float32 additions: the
 same products (a bfloat16 product is exact in float32), float32 sums, in bfloat16 one rounding after the bias.
 :func:`int8_linear` takes the same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``,
-float32 inside, one rounding.
+float32 inside, one rounding; on AVX2 with an AMD CPU (``paths()["int8"] == "avx2_bits"``) the sum runs over the
+codes' bits read as float32, ``(c + 128) x`` less ``128 sum(x)``, whose float32 error bound has ``|c| + 128`` for
+``|c|`` (gemv.cpp's ``code_bits``).
 :func:`attention` takes the attention calls of at most :data:`MAX_ROWS` query rows, float32 or bfloat16, with a
 boolean mask or none and no gradient (:func:`uses_attention_kernel`; ``tformer.attention``'s ``sdpa`` backend asks):
 float32 scores, softmax and weighted sum, one rounding.
@@ -255,8 +257,9 @@ def build_error() -> str | None:
 
 
 def paths() -> dict[str, str] | None:
-    """The code paths the build took on this CPU, e.g. ``{"bf16": "avx512_bf16", "int8": "avx512"}`` (else
-    ``"portable"``); ``None`` when not built."""
+    """The code paths the build took on this CPU, e.g. ``{"bf16": "avx512_bf16", "int8": "avx512"}`` (``"avx2"``,
+    ``"avx2_bits"`` for int8 codes read as float32 bits on AMD CPUs, else ``"portable"``); ``None`` when not
+    built."""
     if not ready():
         return None
     return dict(part.split("=") for part in torch.ops.tformer.gemv_paths().split())
