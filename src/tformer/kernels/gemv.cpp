@@ -464,11 +464,11 @@ inline CodeBits code_bits(const float* xf, int64_t M, int64_t K) {
   bits.xs.resize(M * bits.body);
   bits.factor.resize(M);
   bits.offset.resize(M);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 inf = _mm256_set1_ps(INFINITY);
   for (int64_t r = 0; r < M; ++r) {
     const float* x = xf + r * K;
     // max |x|, whether any |x| is inf or nan, and sum x in double, 8 columns a step
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 inf = _mm256_set1_ps(INFINITY);
     __m256 top8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     __m256d sum4[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
     for (int64_t k = 0; k < bits.body; k += 8) {
@@ -534,6 +534,53 @@ inline float bits_sum(__m256 a0, __m256 a1, double factor, double offset, const 
 struct CodeBitsRows {};  // the codes' bits are read on AVX2 only
 #endif
 
+#ifdef TFORMER_AVX2_INT8
+// sum[r] = sum_k xf[r, k] qr[k] for R rows of x on AVX2, from the codes' bits: two chains a row of x, as the batch-1
+// loop (rows_int8_streams) takes each of its rows.
+template <int R>
+void bits_dot(const CodeBitsRows& bits, const int8_t* qr, const float* xf, int64_t K, float* sum) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < bits.body; k += 32) {
+    const CodeQuarters codes = code_quarters(qr + k);
+    for (int r = 0; r < R; ++r) add_quarters(codes, bits.xs + r * bits.body + k, acc[r][0], acc[r][1]);
+  }
+  for (int r = 0; r < R; ++r) {
+    sum[r] = bits_sum(acc[r][0], acc[r][1], bits.factor[r], bits.offset[r], qr, xf + r * K, bits.body, K);
+  }
+}
+
+// The same from widened codes: 16 codes a block, widened 8 at a time; four independent FMA chains at one row of x,
+// two above.
+template <int R>
+void widened_dot(const int8_t* qr, const float* xf, int64_t K, float* sum) {
+  constexpr int U = R == 1 ? 2 : 1;
+  __m256 acc[R][2 * U];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < 2 * U; ++u) acc[r][u] = _mm256_setzero_ps();
+  }
+  const int64_t body = K - K % 16;
+  const auto block = [&](int64_t at, int u) {
+    const __m256 lo = widen8(qr + at), hi = widen8(qr + at + 8);
+    for (int r = 0; r < R; ++r) {
+      acc[r][2 * u] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + r * K + at), acc[r][2 * u]);
+      acc[r][2 * u + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + r * K + at + 8), acc[r][2 * u + 1]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 16 * U <= body; k += 16 * U) {
+    for (int u = 0; u < U; ++u) block(k + 16 * u, u);
+  }
+  for (; k < body; k += 16) block(k, 0);
+  for (int r = 0; r < R; ++r) {
+    __m256 total = acc[r][0];
+    for (int u = 1; u < 2 * U; ++u) total = _mm256_add_ps(total, acc[r][u]);
+    sum[r] = hsum8(total);
+    for (int64_t kk = body; kk < K; ++kk) sum[r] += static_cast<float>(qr[kk]) * xf[r * K + kk];
+  }
+}
+#endif
+
 // Weight-only int8: out[r, n] = (sum_k xf[r, k] q[n, k]) * scale[n] + bias[n], xf float32 (R rows of K).
 template <int R, typename Out>
 void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const int8_t* q, Floats scale, Floats bias,
@@ -571,44 +618,10 @@ void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const
       sum[r] = _mm512_reduce_add_ps(acc[r][0]);
     }
 #elif defined(TFORMER_AVX2_INT8)
-    if (bits.xs != nullptr) {  // the codes' bits, two chains a row of x (as at batch 1: rows_int8_streams)
-      __m256 acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < bits.body; k += 32) {
-        const CodeQuarters codes = code_quarters(qr + k);
-        for (int r = 0; r < R; ++r) add_quarters(codes, bits.xs + r * bits.body + k, acc[r][0], acc[r][1]);
-      }
-      for (int r = 0; r < R; ++r) {
-        sum[r] = bits_sum(acc[r][0], acc[r][1], bits.factor[r], bits.offset[r], qr, xf + r * K, bits.body, K);
-      }
-      const float b = bias ? bias[n] : 0.0f;
-      for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(std::fma(sum[r], scale[n], b));
-      continue;
-    }
-    // 16 codes a block, widened 8 at a time; four independent FMA chains at one row of x, two above
-    constexpr int U = R == 1 ? 2 : 1;
-    __m256 acc[R][2 * U];
-    for (int r = 0; r < R; ++r) {
-      for (int u = 0; u < 2 * U; ++u) acc[r][u] = _mm256_setzero_ps();
-    }
-    const int64_t body = K - K % 16;
-    const auto block = [&](int64_t at, int u) {
-      const __m256 lo = widen8(qr + at), hi = widen8(qr + at + 8);
-      for (int r = 0; r < R; ++r) {
-        acc[r][2 * u] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + r * K + at), acc[r][2 * u]);
-        acc[r][2 * u + 1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + r * K + at + 8), acc[r][2 * u + 1]);
-      }
-    };
-    int64_t k = 0;
-    for (; k + 16 * U <= body; k += 16 * U) {
-      for (int u = 0; u < U; ++u) block(k + 16 * u, u);
-    }
-    for (; k < body; k += 16) block(k, 0);
-    for (int r = 0; r < R; ++r) {
-      __m256 total = acc[r][0];
-      for (int u = 1; u < 2 * U; ++u) total = _mm256_add_ps(total, acc[r][u]);
-      sum[r] = hsum8(total);
-      for (int64_t kk = body; kk < K; ++kk) sum[r] += static_cast<float>(qr[kk]) * xf[r * K + kk];
+    if (bits.xs != nullptr) {
+      bits_dot<R>(bits, qr, xf, K, sum);
+    } else {
+      widened_dot<R>(qr, xf, K, sum);
     }
 #else
     dot_portable<R>(xf, qr, K, sum);
@@ -621,9 +634,9 @@ void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const
 #ifdef TFORMER_AVX2_INT8
 // One row of x (batch 1) on AVX2: rows_avx2_streams's reading for int8 codes, the thread's block of rows [n0, n1)
 // as S streams side by side (in_streams: rows n0 + i, n0 + h + i, ..., n0 + (S - 1) h + i; h = the block's rows / S;
-// the last (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of rows_int8<R> for R > 1
-// (two FMA chains, added at the end; the codes' bits (code_bits) or widened codes, as the batch loop reads them): a
-// row of a batch and the same row alone give the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled
+// the last (n1 - n0) % S rows alone), each load of x serving S rows. Per row the arithmetic of the batch loop's
+// bits_dot<R> or widened_dot<R> for R > 1 (two FMA chains, added at the end; the codes' bits where code_bits is on):
+// a row of a batch and the same row alone give the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled
 // SmolLM2 int8 steps (medians of five alternated processes, benchmarks/kernel_builds.py): widened codes one row at a
 // time with 8 rows of prefetch 0.613 and 0.640 of the bound, four streams without prefetch 0.684 and 0.737, with it
 // 0.655 (so no prefetch on AVX2 for AMD CPUs: tformer.kernels.prefetch_rows); four streams of the codes' bits 0.719
@@ -646,29 +659,30 @@ void rows_int8_streams(const float* xf, const CodeBitsRows& bits, const int8_t* 
       qr[t] = q + (i + t * h) * K;
       acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     }
-    if (bits.xs != nullptr) {  // the codes' bits (code_bits); each row as in rows_int8
+    float sum[T];
+    if (bits.xs != nullptr) {  // the codes' bits (code_bits); each row as in bits_dot
       for (int64_t k = 0; k < bits.body; k += 32) {
         for (int t = 0; t < T; ++t) add_quarters(code_quarters(qr[t] + k), bits.xs + k, acc[t][0], acc[t][1]);
       }
       for (int t = 0; t < T; ++t) {
-        const int64_t n = i + t * h;
-        const float sum = bits_sum(acc[t][0], acc[t][1], bits.factor[0], bits.offset[0], qr[t], xf, bits.body, K);
-        y[n] = static_cast<Out>(std::fma(sum, scale[n], bias ? bias[n] : 0.0f));
+        sum[t] = bits_sum(acc[t][0], acc[t][1], bits.factor[0], bits.offset[0], qr[t], xf, bits.body, K);
       }
-      return;
-    }
-    for (int64_t k = 0; k < body; k += 16) {
-      const __m256 lo = _mm256_loadu_ps(xf + k), hi = _mm256_loadu_ps(xf + k + 8);
+    } else {  // widened codes; each row as in widened_dot<R> for R > 1
+      for (int64_t k = 0; k < body; k += 16) {
+        const __m256 lo = _mm256_loadu_ps(xf + k), hi = _mm256_loadu_ps(xf + k + 8);
+        for (int t = 0; t < T; ++t) {
+          acc[t][0] = _mm256_fmadd_ps(widen8(qr[t] + k), lo, acc[t][0]);
+          acc[t][1] = _mm256_fmadd_ps(widen8(qr[t] + k + 8), hi, acc[t][1]);
+        }
+      }
       for (int t = 0; t < T; ++t) {
-        acc[t][0] = _mm256_fmadd_ps(widen8(qr[t] + k), lo, acc[t][0]);
-        acc[t][1] = _mm256_fmadd_ps(widen8(qr[t] + k + 8), hi, acc[t][1]);
+        sum[t] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+        for (int64_t k = body; k < K; ++k) sum[t] += static_cast<float>(qr[t][k]) * xf[k];
       }
     }
     for (int t = 0; t < T; ++t) {
-      float sum = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
-      for (int64_t k = body; k < K; ++k) sum += static_cast<float>(qr[t][k]) * xf[k];
       const int64_t n = i + t * h;
-      y[n] = static_cast<Out>(std::fma(sum, scale[n], bias ? bias[n] : 0.0f));
+      y[n] = static_cast<Out>(std::fma(sum[t], scale[n], bias ? bias[n] : 0.0f));
     }
   });
 }
