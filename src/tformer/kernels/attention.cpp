@@ -5,7 +5,8 @@
 // call on set-up and blocking made for long queries, and on bfloat16 inputs it is slower still; 30 layers of it
 // were a sixth of a compiled SmolLM2 token. Here one task is one (batch, key/value head, query row) and the query
 // heads that read that key/value head (grouped-query attention; up to kMaxGroup at once, when they share a mask):
-//   1. s_j = (q . k_j) * scale for every key j the mask lets it see (float32 sums of exact float32 products);
+//   1. s_j = (q . k_j) * scale for every key j the mask lets it see (float32 sums of exact float32 products); each
+//      key row is read and widened once for all the task's heads;
 //   2. p_j = exp(s_j - max_j s_j), the max-subtracted softmax numerators (masked keys: exactly 0);
 //   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype; each value row is
 //      read and widened once for all the task's heads (SmolLM2: 3 query heads a key/value head).
@@ -16,9 +17,9 @@
 //
 // On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
 // keys' sums reduced together), on AVX2 + FMA the same with 8 lanes; elsewhere plain C++ that the compiler
-// vectorizes (`omp simd` reductions). exp is a
-// polynomial (range reduction by ln 2, degree 6 on [-ln2/2, ln2/2]; relative error at most 8.4e-8 over [-87, 0],
-// measured against double's exp: 1.4 units of float32 roundoff), so step 2 runs 16 lanes at a time.
+// vectorizes (`omp simd` reductions). exp is a polynomial (kernels.h: range reduction by ln 2, degree 6 on [-ln2/2,
+// ln2/2]; relative error at most 8.4e-8 over [-87, 0], measured against double's exp: 1.4 units of float32
+// roundoff), so step 2 runs 16 or 8 lanes at a time.
 //
 // Built with gemv.cpp by tformer/kernels/__init__.py; the op is tformer::decode_attention.
 
@@ -60,22 +61,7 @@ inline __m512 load16(const bf16* p, __mmask16 m) {
 }
 inline __mmask16 lanes(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1u); }
 
-// exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(er, n);
-}
+using tformer_kernels::exp16;
 #endif
 
 #ifdef TFORMER_AVX512_ATTENTION
@@ -169,6 +155,16 @@ inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
   return _mm512_reduce_add_ps(totals);
 }
 constexpr int kLanes = 16;
+using Lanes = __m512;
+inline __m512 load_lanes(const float* p, int64_t count) { return load16(p, lanes(count)); }
+inline __m512 load_lanes(const bf16* p, int64_t count) { return load16(p, lanes(count)); }
+inline __m512 fma_lanes(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+constexpr int kDotHeads = 4;  // query rows whose sums with four keys stay in registers (4 x 4 of 32 registers)
+#ifdef __AVX512BF16__
+constexpr bool kPairedBf16 = true;  // bfloat16 q . k by dpbf16, no widening to share
+#else
+constexpr bool kPairedBf16 = false;
+#endif
 #endif
 
 #if !defined(TFORMER_AVX512_ATTENTION) && defined(__AVX2__) && defined(__FMA__)
@@ -198,23 +194,7 @@ inline __m256 load8(const bf16* p, int64_t count) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  // bfloat16 = top half of float32
 }
 
-// exp_nonpositive on 8 lanes: the same reduction and polynomial, 2^n built from its exponent bits.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 er = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(er, _mm256_castsi256_ps(two_n));  // n >= -126: a normal 2^n
-}
+using tformer_kernels::exp8;
 
 template <int G, int NV, typename T>
 void weighted_sum(const float* const* p, const T* v, int64_t row_stride, int64_t keys, int64_t width,
@@ -258,6 +238,13 @@ inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d, per 128-bit half
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+
+using Lanes = __m256;
+inline __m256 load_lanes(const float* p, int64_t count) { return load8(p, count); }
+inline __m256 load_lanes(const bf16* p, int64_t count) { return load8(p, count); }
+inline __m256 fma_lanes(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+constexpr int kDotHeads = 3;  // query rows whose sums with four keys stay in registers (12 of 16, a key, a query)
+constexpr bool kPairedBf16 = false;
 
 inline float hsum(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -303,72 +290,130 @@ inline void prefetch_rows(const T* first, int64_t stride, int64_t rows, int64_t 
   }
 }
 
-// Steps 1 and 2 for one (batch, head, query row): q (D,) against the rows of its key head k0 (keys, D), `k_stride`
-// elements apart, under the row's mask (every `mask_stride`-th bool; none: all keys). Leaves scores[j] = p_j, the
-// max-subtracted softmax numerators (masked keys: exactly 0), sets `top` to the largest score, and returns their sum:
-// at least 1 (the largest score's numerator is exp(0)), or 0 when the row may see no key, or NaN when a score is NaN
-// (then the scores are zeros too).
-template <typename T>
-float numerators_of(const T* q, const T* k0, int64_t k_stride, const bool* mask, int64_t mask_stride, int64_t keys,
-                    int64_t D, float scale, float* scores, float& top) {
-  float qf[1024];  // D <= 1024 (checked by the op)
-  for (int64_t d = 0; d < D; ++d) qf[d] = to_float(q[d]);
+#ifdef TFORMER_SIMD_ATTENTION
+// The dot products of G query rows with four key rows (kj, kj + k_stride, ...; D values each) as G vectors of four
+// sums: each key's D values are loaded and widened once for the G rows (grouped-query attention: SmolLM2's 3 query
+// heads a key/value head read each key once, not three times). qf: the query rows in float32. For each (row, key)
+// the float32 operations and their order are partial_dot's and reduce4's, so the sums are the same bits. Where
+// bfloat16 pairs multiply natively (dpbf16) nothing is widened, and each row takes partial_dot.
+template <int G, typename T>
+inline void dots4(const T* const* q, const float* const* qf, const T* kj, int64_t k_stride, int64_t D, __m128* out) {
+  if constexpr (kPairedBf16 && std::is_same_v<T, bf16>) {
+    for (int g = 0; g < G; ++g) {
+      out[g] = reduce4(partial_dot(q[g], qf[g], kj, D), partial_dot(q[g], qf[g], kj + k_stride, D),
+                       partial_dot(q[g], qf[g], kj + 2 * k_stride, D), partial_dot(q[g], qf[g], kj + 3 * k_stride, D));
+    }
+  } else {
+    Lanes sum[G][4];
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < 4; ++i) sum[g][i] = Lanes{};
+    }
+    for (int64_t d = 0; d < D; d += kLanes) {
+      for (int i = 0; i < 4; ++i) {
+        const Lanes k = load_lanes(kj + i * k_stride + d, D - d);
+        for (int g = 0; g < G; ++g) sum[g][i] = fma_lanes(load_lanes(qf[g] + d, D - d), k, sum[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g) out[g] = reduce4(sum[g][0], sum[g][1], sum[g][2], sum[g][3]);
+  }
+}
+
+// dots4 for G rows, at most kDotHeads at a time (their 4 G sums in registers).
+template <int G, typename T>
+inline void dots4_rows(const T* const* q, const float* const* qf, const T* kj, int64_t k_stride, int64_t D,
+                       __m128* out) {
+  constexpr int now = G < kDotHeads ? G : kDotHeads;
+  dots4<now, T>(q, qf, kj, k_stride, D, out);
+  if constexpr (G > now) dots4_rows<G - now, T>(q + now, qf + now, kj, k_stride, D, out + now);
+}
+#endif
+
+// Step 2 for one head's scores[0 .. keys) (masked keys -inf), `best` the largest: scores[j] = p_j = exp(s_j - best),
+// the max-subtracted softmax numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select); `top` =
+// best. Returns their sum, or 0 when no key is visible, or NaN when a score is NaN (a softmax over it would be NaN);
+// in both cases the scores become zeros and `top` is left as it was.
+inline float softmax_numerators(float* scores, int64_t keys, float best, float& top) {
+  bool nan = false;
+  for (int64_t j = 0; j < keys; ++j) nan |= std::isnan(scores[j]);
+  if (nan || best == -std::numeric_limits<float>::infinity()) {  // the caller writes the row; its weights add nothing
+    std::fill(scores, scores + keys, 0.0f);
+    return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  }
+  top = best;
+  float total = 0.0f;
+  int64_t j = 0;
+#ifdef TFORMER_SIMD_ATTENTION
+  total = numerators(scores, keys, best, j);
+#endif
+  for (; j < keys; ++j) {
+    const float p = scores[j] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(scores[j] - best);
+    scores[j] = p;
+    total += p;
+  }
+  return total;
+}
+
+// Steps 1 and 2 for G query heads of one (batch, query row) that read the same key head under the same mask: q[g]
+// (D,) against the rows of the key head k0 (keys, D), `k_stride` elements apart, under the row's mask (every
+// `mask_stride`-th bool; none: all keys). Leaves scores[g * stride + j] = p_j, head g's max-subtracted softmax
+// numerators (masked keys: exactly 0), tops[g] its largest score, and totals[g] their sum: at least 1 (the largest
+// score's numerator is exp(0)), or 0 when the row may see no key, or NaN when a score is NaN (then the scores are
+// zeros too).
+template <typename T, int G>
+void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool* mask, int64_t mask_stride,
+                   int64_t keys, int64_t D, float scale, float* scores, int64_t stride, float* totals, float* tops) {
+  float qf[G][1024];  // D <= 1024 (checked by the op)
+  const float* qrows[G];
+  for (int g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) qf[g][d] = to_float(q[g][d]);
+    qrows[g] = qf[g];
+  }
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  float best = kMasked;
+  float best[G];
+  std::fill(best, best + G, kMasked);
   int64_t first = 0;  // 1. scores
 #ifdef TFORMER_SIMD_ATTENTION
   for (; first + 4 <= keys; first += 4) {  // four keys at a time, their sums reduced together
     bool seen[4];
     for (int i = 0; i < 4; ++i) seen[i] = mask == nullptr || mask[(first + i) * mask_stride];
     if (!(seen[0] || seen[1] || seen[2] || seen[3])) {
-      for (int i = 0; i < 4; ++i) scores[first + i] = kMasked;
+      for (int g = 0; g < G; ++g) std::fill(scores + g * stride + first, scores + g * stride + first + 4, kMasked);
       continue;
     }
     const T* kj = k0 + first * k_stride;
     if (first + kPrefetchKeys + 4 <= keys) prefetch_rows(kj + kPrefetchKeys * k_stride, k_stride, 4, D, 3);
-    float dots[4];
-    _mm_storeu_ps(dots, reduce4(partial_dot(q, qf, kj, D), partial_dot(q, qf, kj + k_stride, D),
-                                partial_dot(q, qf, kj + 2 * k_stride, D), partial_dot(q, qf, kj + 3 * k_stride, D)));
-    for (int i = 0; i < 4; ++i) {
-      scores[first + i] = seen[i] ? dots[i] * scale : kMasked;
-      if (seen[i]) best = std::max(best, scores[first + i]);
+    __m128 sums[G];
+    dots4_rows<G, T>(q, qrows, kj, k_stride, D, sums);
+    for (int g = 0; g < G; ++g) {
+      float dots[4];
+      _mm_storeu_ps(dots, sums[g]);
+      for (int i = 0; i < 4; ++i) {
+        scores[g * stride + first + i] = seen[i] ? dots[i] * scale : kMasked;
+        if (seen[i]) best[g] = std::max(best[g], scores[g * stride + first + i]);
+      }
     }
   }
 #endif
-  for (int64_t j = first; j < keys; ++j) {
-    if (mask != nullptr && !mask[j * mask_stride]) {
-      scores[j] = kMasked;
-      continue;
-    }
-    const T* kj = k0 + j * k_stride;
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + g * stride;
+    for (int64_t j = first; j < keys; ++j) {
+      if (mask != nullptr && !mask[j * mask_stride]) {
+        row[j] = kMasked;
+        continue;
+      }
+      const T* kj = k0 + j * k_stride;
 #ifdef TFORMER_SIMD_ATTENTION
-    const float dot = hsum(partial_dot(q, qf, kj, D));
+      const float dot = hsum(partial_dot(q[g], qf[g], kj, D));
 #else
-    float dot = 0.0f;
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_float(kj[d]);
+      for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * to_float(kj[d]);
 #endif
-    scores[j] = dot * scale;
-    best = std::max(best, scores[j]);
+      row[j] = dot * scale;
+      best[g] = std::max(best[g], row[j]);
+    }
+    totals[g] = softmax_numerators(row, keys, best[g], tops[g]);
   }
-  bool nan = false;  // a NaN score (NaN or infinite inputs) makes the row NaN, as a softmax over it would be
-  for (int64_t j = 0; j < keys; ++j) nan |= std::isnan(scores[j]);
-  if (nan || best == kMasked) {  // NaN, or no visible key: the caller writes the row; its weights add nothing
-    std::fill(scores, scores + keys, 0.0f);
-    return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-  }
-  top = best;
-  float total = 0.0f;  // 2. numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select)
-  int64_t j = 0;
-#ifdef TFORMER_SIMD_ATTENTION
-  total = numerators(scores, keys, best, j);
-#endif
-  for (; j < keys; ++j) {
-    const float p = scores[j] == kMasked ? 0.0f : exp_nonpositive(scores[j] - best);
-    scores[j] = p;
-    total += p;
-  }
-  return total;
 }
 
 #ifdef TFORMER_SIMD_ATTENTION
@@ -385,19 +430,17 @@ void weighted_sum_upto(int64_t nv, const float* const* p, const T* v, int64_t ro
 #endif
 
 // G query heads of one (batch, query row) that read the same key/value head under the same mask, over `keys` keys
-// from k0, v0: steps 1-3 without the division. Steps 1 and 2 run per head; step 3 reads each value row once for all G
-// (the weights in scores, a row of `stride` floats per head). Leaves acc[g] (Dv,) = sum_j p_j v_j, totals[g] =
+// from k0, v0: steps 1-3 without the division. Steps 1 and 3 read each key and value row once for all G (step 2 runs
+// per head; the weights in scores, a row of `stride` floats per head). Leaves acc[g] (Dv,) = sum_j p_j v_j, totals[g] =
 // sum_j p_j and tops[g] = the largest score (numerators_of).
 template <typename T, int G>
 void attend_sums(const T* const* q, const T* k0, int64_t k_stride, const T* v0, int64_t v_stride, const bool* mask,
                  int64_t mask_stride, int64_t keys, int64_t D, int64_t Dv, float scale, float* scores, int64_t stride,
                  float* const* acc, float* totals, float* tops) {
   prefetch_rows(v0, v_stride, keys, Dv, 2);  // the values arrive while the scores are computed
+  numerators_of<T, G>(q, k0, k_stride, mask, mask_stride, keys, D, scale, scores, stride, totals, tops);
   const float* p[G];
-  for (int g = 0; g < G; ++g) {
-    totals[g] = numerators_of<T>(q[g], k0, k_stride, mask, mask_stride, keys, D, scale, scores + g * stride, tops[g]);
-    p[g] = scores + g * stride;
-  }
+  for (int g = 0; g < G; ++g) p[g] = scores + g * stride;
   // 3. the weighted sums of the values, float32 accumulators in registers
 #ifdef TFORMER_SIMD_ATTENTION
   constexpr int kMost = G == 1 ? kBlock : kGroupBlock;

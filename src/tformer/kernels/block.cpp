@@ -160,10 +160,30 @@ void rotate(T* v, Floats cos, Floats sin, int64_t D, bool interleaved) {
 }
 
 // g <- silu(g) = g sigmoid(g) = g / (1 + e^-g), in float32, for n values: with e = e^-|g| (never overflows),
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. Branch-free, so the loop vectorizes (the polynomial
-// exp: relative error at most 8.4e-8, attention.cpp).
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. The exp is kernels.h's polynomial (relative error at
+// most 8.4e-8), on 16 or 8 lanes where the CPU has them: GCC left the plain loop scalar, with a branch on the sign
+// that the predictor cannot learn (SmolLM2's 1536 gate values took 6.4 us a block, a third of a millisecond a step,
+// against 0.5 on 8 lanes; AMD EPYC Zen 3).
 inline void silu(float* g, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one16 = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = tformer_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // -|x|
+    const __m512 top = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), e, one16);
+    _mm512_storeu_ps(g + i, _mm512_mul_ps(x, _mm512_div_ps(top, _mm512_add_ps(one16, e))));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one8 = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = tformer_kernels::exp8(_mm256_or_ps(x, sign));  // -|x|
+    const __m256 top = _mm256_blendv_ps(e, one8, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(x, _mm256_div_ps(top, _mm256_add_ps(one8, e))));
+  }
+#endif
+  for (; i < n; ++i) {
     const float e = tformer_kernels::exp_nonpositive(-std::fabs(g[i]));
     g[i] = g[i] * ((g[i] >= 0.0f ? 1.0f : e) / (1.0f + e));
   }

@@ -12,6 +12,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #if AT_PARALLEL_OPENMP && defined(_OPENMP) && !defined(TFORMER_ATEN_PARALLEL_FOR)
 #include <omp.h>
 #define TFORMER_RAW_OPENMP 1
@@ -60,8 +64,9 @@ struct Floats {
 };
 
 // exp(x) for x <= 0 (softmax numerators after the max is subtracted; a sigmoid's e^-|x|): x = n ln2 + r, |r| <= ln2/2, e^x = 2^n e^r.
-// Written without branches so a loop of it vectorizes; below -87 the result is 0 or the smallest normals (it is
-// never used there except as a weight that the sum makes negligible).
+// Below -87 the result is 0 or the smallest normals (it is never used there except as a weight that the sum makes
+// negligible). GCC does not vectorize a loop of it (std::max and the rounding stay scalar, with a branch), so the
+// loops that matter call exp8 or exp16 below: the same steps on 8 or 16 lanes.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);  // round(x / ln 2)
@@ -79,6 +84,45 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&two_n, &bits, sizeof two_n);
   return er * two_n;
 }
+
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(er, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on 8 lanes: the same reduction and polynomial, 2^n built from its exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 er = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(er, _mm256_castsi256_ps(two_n));  // n >= -126: a normal 2^n
+}
+#endif
 
 // y (M, N) = x (M, K) W (N, K)^T (+ b (N,)), one rounding to the output's dtype after the bias; M <= 4 is what the
 // kernels are made for (more rows work, in passes of 4).
