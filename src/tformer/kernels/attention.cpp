@@ -65,8 +65,9 @@ using tformer_kernels::exp16;
 #endif
 
 #ifdef TFORMER_AVX512_ATTENTION
-constexpr int kBlock = 8;       // value columns summed at once for one head: 8 vectors of 16 float32 accumulators
-constexpr int kGroupBlock = 4;  // ... and for each of several heads sharing the values (at most 4 x 4 accumulators)
+constexpr int kBlock = 8;  // value columns summed at once for one head: 8 vectors of 16 float32 accumulators
+// ... and for each of G > 1 heads sharing the values: G x 4 accumulators, 4 values and a weight in 32 registers
+constexpr int group_block(int) { return 4; }
 
 // acc[g][0 .. width) = sum_j p[g][j] v[j, 0 .. width) for G heads that share the value rows (grouped-query
 // attention) and NV = ceil(width / 16) vectors: each value row is loaded and widened once for the G heads, and the
@@ -172,8 +173,10 @@ constexpr bool kPairedBf16 = false;
 #include <immintrin.h>
 // The same loops on AVX2 + FMA: 8 float32 lanes, tails by maskload/maskstore (bfloat16 tails through a zeroed copy).
 constexpr int kLanes = 8;
-constexpr int kBlock = 8;       // value columns summed at once for one head: 8 vectors of 8 float32 accumulators
-constexpr int kGroupBlock = 2;  // ... and for each of several heads sharing the values (16 registers in all)
+constexpr int kBlock = 8;  // value columns summed at once for one head: 8 vectors of 8 float32 accumulators
+// ... and for each of G > 1 heads sharing the values, as many as G x NV accumulators, NV values and a weight leave
+// room for in 16 registers: 4 for 2 heads, 3 for 3 (SmolLM2's 64 columns in 3 passes over the keys, not 4), 2 for 4
+constexpr int group_block(int G) { return G <= 2 ? 4 : G == 3 ? 3 : 2; }
 
 inline __m256i lane_mask(int64_t count) {  // all-ones in the first min(count, 8) lanes
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
@@ -328,13 +331,11 @@ inline void dots4_rows(const T* const* q, const float* const* qf, const T* kj, i
 }
 #endif
 
-// Step 2 for one head's scores[0 .. keys) (masked keys -inf), `best` the largest: scores[j] = p_j = exp(s_j - best),
-// the max-subtracted softmax numerators (masked keys: exp(-inf) is 0 exactly, by the clamp and a select); `top` =
-// best. Returns their sum, or 0 when no key is visible, or NaN when a score is NaN (a softmax over it would be NaN);
-// in both cases the scores become zeros and `top` is left as it was.
-inline float softmax_numerators(float* scores, int64_t keys, float best, float& top) {
-  bool nan = false;
-  for (int64_t j = 0; j < keys; ++j) nan |= std::isnan(scores[j]);
+// Step 2 for one head's scores[0 .. keys) (masked keys -inf), `best` the largest, `nan` whether one is NaN:
+// scores[j] = p_j = exp(s_j - best), the max-subtracted softmax numerators (masked keys: exp(-inf) is 0 exactly, by
+// the clamp and a select); `top` = best. Returns their sum, or 0 when no key is visible, or NaN when a score is NaN
+// (a softmax over it would be NaN); in both cases the scores become zeros and `top` is left as it was.
+inline float softmax_numerators(float* scores, int64_t keys, float best, bool nan, float& top) {
   if (nan || best == -std::numeric_limits<float>::infinity()) {  // the caller writes the row; its weights add nothing
     std::fill(scores, scores + keys, 0.0f);
     return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
@@ -370,28 +371,39 @@ void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool*
   }
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
   float best[G];
+  bool nan[G];
   std::fill(best, best + G, kMasked);
+  std::fill(nan, nan + G, false);
   int64_t first = 0;  // 1. scores
 #ifdef TFORMER_SIMD_ATTENTION
-  for (; first + 4 <= keys; first += 4) {  // four keys at a time, their sums reduced together
+  // four keys at a time, their sums reduced together; each head's running max and NaN flags as four lanes
+  __m128 top4[G], nan4[G];
+  const __m128 masked4 = _mm_set1_ps(kMasked), scale4 = _mm_set1_ps(scale);
+  for (int g = 0; g < G; ++g) top4[g] = masked4, nan4[g] = _mm_setzero_ps();
+  for (; first + 4 <= keys; first += 4) {
     bool seen[4];
     for (int i = 0; i < 4; ++i) seen[i] = mask == nullptr || mask[(first + i) * mask_stride];
     if (!(seen[0] || seen[1] || seen[2] || seen[3])) {
-      for (int g = 0; g < G; ++g) std::fill(scores + g * stride + first, scores + g * stride + first + 4, kMasked);
+      for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * stride + first, masked4);
       continue;
     }
     const T* kj = k0 + first * k_stride;
     if (first + kPrefetchKeys + 4 <= keys) prefetch_rows(kj + kPrefetchKeys * k_stride, k_stride, 4, D, 3);
     __m128 sums[G];
     dots4_rows<G, T>(q, qrows, kj, k_stride, D, sums);
+    const __m128 visible = _mm_castsi128_ps(_mm_setr_epi32(-int{seen[0]}, -int{seen[1]}, -int{seen[2]}, -int{seen[3]}));
     for (int g = 0; g < G; ++g) {
-      float dots[4];
-      _mm_storeu_ps(dots, sums[g]);
-      for (int i = 0; i < 4; ++i) {
-        scores[g * stride + first + i] = seen[i] ? dots[i] * scale : kMasked;
-        if (seen[i]) best[g] = std::max(best[g], scores[g * stride + first + i]);
-      }
+      const __m128 s = _mm_blendv_ps(masked4, _mm_mul_ps(sums[g], scale4), visible);  // masked keys -inf
+      _mm_storeu_ps(scores + g * stride + first, s);
+      top4[g] = _mm_max_ps(s, top4[g]);  // a NaN score leaves it: NaN rows are set apart by nan4
+      nan4[g] = _mm_or_ps(nan4[g], _mm_cmpunord_ps(s, s));
     }
+  }
+  for (int g = 0; g < G; ++g) {
+    float tops4[4];
+    _mm_storeu_ps(tops4, top4[g]);
+    best[g] = std::max(std::max(tops4[0], tops4[1]), std::max(tops4[2], tops4[3]));
+    nan[g] = _mm_movemask_ps(nan4[g]) != 0;
   }
 #endif
   for (int g = 0; g < G; ++g) {
@@ -411,8 +423,9 @@ void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool*
 #endif
       row[j] = dot * scale;
       best[g] = std::max(best[g], row[j]);
+      nan[g] |= std::isnan(row[j]);
     }
-    totals[g] = softmax_numerators(row, keys, best[g], tops[g]);
+    totals[g] = softmax_numerators(row, keys, best[g], nan[g], tops[g]);
   }
 }
 
@@ -443,7 +456,7 @@ void attend_sums(const T* const* q, const T* k0, int64_t k_stride, const T* v0, 
   for (int g = 0; g < G; ++g) p[g] = scores + g * stride;
   // 3. the weighted sums of the values, float32 accumulators in registers
 #ifdef TFORMER_SIMD_ATTENTION
-  constexpr int kMost = G == 1 ? kBlock : kGroupBlock;
+  constexpr int kMost = G == 1 ? kBlock : group_block(G);
   for (int64_t d0 = 0; d0 < Dv; d0 += kLanes * kMost) {
     const int64_t width = std::min<int64_t>(Dv - d0, kLanes * kMost);
     float* at[G];
