@@ -63,21 +63,23 @@ struct Floats {
   explicit operator bool() const { return data != nullptr; }
 };
 
-// exp(x) for x <= 0 (softmax numerators after the max is subtracted; a sigmoid's e^-|x|): x = n ln2 + r, |r| <= ln2/2, e^x = 2^n e^r.
-// Below -87 the result is 0 or the smallest normals (it is never used there except as a weight that the sum makes
-// negligible). GCC does not vectorize a loop of it (std::max and the rounding stay scalar, with a branch), so the
-// loops that matter call exp8 or exp16 below: the same steps on 8 or 16 lanes.
+// exp(x) for x <= 0 (softmax numerators after the max is subtracted; a sigmoid's e^-|x|): x = n ln2 + r,
+// |r| <= ln2/2, e^x = 2^n e^r, e^r = 1 + r + r^2 P(r). Below -87 the result is 0 or the smallest normals (it is never
+// used there except as a weight that the sum makes negligible). GCC does not vectorize a loop of it (std::max and the
+// rounding stay scalar, with a branch), so the loops that matter call exp8 or exp16 below: the same steps on 8 or 16
+// lanes, from the same constants: 1 / ln 2; ln 2 in two parts (n times the first is exact; ln 2 = kLn2High -
+// kLn2Low); P of degree 5 fitted to (e^r - 1 - r) / r^2 on [-ln2/2, ln2/2] (near 1/2, 1/6, 1/24, ...), its
+// coefficients from the highest degree.
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);  // round(x / ln 2)
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2 in two parts: exact first product
-  // e^r = 1 + r + r^2 P(r), P of degree 5 fitted to (e^r - 1 - r) / r^2 on [-ln2/2, ln2/2] (near 1/2, 1/6, 1/24, ...)
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = std::nearbyint(x * kLog2e);  // round(x / ln 2)
+  const float r = (x - n * kLn2High) + n * kLn2Low;  // x - n ln2
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   const float er = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float32 (n >= -126 here)
   float two_n;
@@ -89,16 +91,11 @@ inline float exp_nonpositive(float x) {
 // exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(er, n);
 }
@@ -108,16 +105,11 @@ inline __m512 exp16(__m512 x) {
 // exp_nonpositive on 8 lanes: the same reduction and polynomial, 2^n built from its exponent bits.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Low), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   const __m256 er = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(er, _mm256_castsi256_ps(two_n));  // n >= -126: a normal 2^n
