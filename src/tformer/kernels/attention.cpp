@@ -49,6 +49,8 @@ inline float to_float(bf16 x) { return static_cast<float>(x); }
 
 using tformer_kernels::exp_nonpositive;
 
+constexpr float kMasked = -std::numeric_limits<float>::infinity();  // a masked key's score
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TFORMER_AVX512_ATTENTION 1
 #include <immintrin.h>
@@ -146,7 +148,7 @@ inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 // leaves j at the first key not done.
 inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
   __m512 totals = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(best), masked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 top = _mm512_set1_ps(best), masked = _mm512_set1_ps(kMasked);
   for (; j + 16 <= keys; j += 16) {
     const __m512 s = _mm512_loadu_ps(scores + j);
     const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, masked, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, top)));
@@ -257,7 +259,7 @@ inline float hsum(__m256 v) {
 
 inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
   __m256 totals = _mm256_setzero_ps();
-  const __m256 top = _mm256_set1_ps(best), masked = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 top = _mm256_set1_ps(best), masked = _mm256_set1_ps(kMasked);
   for (; j + 8 <= keys; j += 8) {
     const __m256 s = _mm256_loadu_ps(scores + j);
     const __m256 p = _mm256_and_ps(_mm256_cmp_ps(s, masked, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(s, top)));
@@ -336,7 +338,7 @@ inline void dots4_rows(const T* const* q, const float* const* qf, const T* kj, i
 // the clamp and a select); `top` = best. Returns their sum, or 0 when no key is visible, or NaN when a score is NaN
 // (a softmax over it would be NaN); in both cases the scores become zeros and `top` is left as it was.
 inline float softmax_numerators(float* scores, int64_t keys, float best, bool nan, float& top) {
-  if (nan || best == -std::numeric_limits<float>::infinity()) {  // the caller writes the row; its weights add nothing
+  if (nan || best == kMasked) {  // the caller writes the row; its weights add nothing
     std::fill(scores, scores + keys, 0.0f);
     return nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   }
@@ -347,7 +349,7 @@ inline float softmax_numerators(float* scores, int64_t keys, float best, bool na
   total = numerators(scores, keys, best, j);
 #endif
   for (; j < keys; ++j) {
-    const float p = scores[j] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(scores[j] - best);
+    const float p = scores[j] == kMasked ? 0.0f : exp_nonpositive(scores[j] - best);
     scores[j] = p;
     total += p;
   }
@@ -369,7 +371,6 @@ void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool*
     for (int64_t d = 0; d < D; ++d) qf[g][d] = to_float(q[g][d]);
     qrows[g] = qf[g];
   }
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   float best[G];
   bool nan[G];
   std::fill(best, best + G, kMasked);
