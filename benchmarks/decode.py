@@ -19,7 +19,8 @@
   settings' runs alternated ``--demo-repeats`` times (each takes ~0.2 s, so host noise would otherwise decide the
   ratio).
 * Batch 1, 4, 16 (SmolLM2, eager bfloat16 and int8): tokens/s, where decoding turns from bandwidth- to compute-bound.
-* Time to first token for a 512-token prompt (prefill), eager against compiled (SmolLM2, bfloat16).
+* Time to first token for a 512-token prompt (prefill), eager against compiled (SmolLM2, bfloat16); where the CPU
+  runs bfloat16 GEMMs as float32 (:func:`tformer.kernels.uses_float32_gemm`), eager with PyTorch's own as well.
 
 Run:  python benchmarks/decode.py 2>/dev/null   (the models from ``make``; ``transformers`` from the bench extra)
 """
@@ -235,6 +236,10 @@ def main() -> None:
         print("time to first token, 512-token prompt, SmolLM2 bfloat16 (s)")
         print("| eager | compiled | first compiled call (compile) | last timings |\n|---:|---:|---:|---|")
         print(f"| {eager:.2f} | {compiled:.2f} | {first:.1f} | {dict(LAST_TIMINGS)} |", flush=True)
+        if kernels.uses_float32_gemm(torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(8, 8, dtype=torch.bfloat16)):
+            with kernels.float32_gemms(False):  # this CPU runs them as float32: what PyTorch's own would take
+                native = best(lambda: generate(bf16, [long], max_new_tokens=1, greedy=True), args.repeats)
+            print(f"eager with PyTorch's bfloat16 GEMMs (not as float32, kernels.uses_float32_gemm): {native:.2f} s")
 
 
 if __name__ == "__main__":

@@ -460,13 +460,18 @@ class DecoderLM(nn.Module):
         mask: Tensor | None = None,
         cache: list[LayerCache] | None = None,
         positions: Tensor | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """``ids (B, T)`` -> logits ``(B, T, V)``. With ``cache``, ``ids`` are only the new tokens. With a static
         cache (``new_cache(capacity)``), ``mask`` is the key mask ``(B, capacity)`` and ``positions (B, T)`` the new
-        tokens' positions (:meth:`Decoder._run_static`)."""
+        tokens' positions (:meth:`Decoder._run_static`). ``last_only``: the last position's logits alone
+        ``(B, 1, V)``, what generation reads after a prompt (the head's product for one row, not ``T``: SmolLM2's
+        49152 x 576 head is a fifth of a prompt's multiply-adds)."""
         if mask is not None and cache is None:
             _check_mask(mask, ids, "mask")
         h = self.decoder(ids, tgt_mask=mask, cache=cache, positions=positions)  # (B, T, C)
+        if last_only:
+            h = h[:, -1:]  # (B, 1, C)
         return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
 
     def new_cache(self, capacity: int | None = None) -> list[LayerCache]:

@@ -404,6 +404,61 @@ def test_large_gradient_free_float32_gemms_go_to_onednn_within_a_float32_sums_ro
     assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
 
 
+def test_bfloat16_gemms_without_onednn_bfloat16_run_as_float32_within_one_rounding(monkeypatch):
+    """On a CPU where PyTorch has no oneDNN bfloat16 GEMM (forced here, so that any CPU checks the route), gradient-
+    free bfloat16 calls of more than MAX_ROWS rows run as float32 GEMMs, the weight converted in blocks (a small
+    block here: 1001 rows in blocks of 100, the last of 1): each output errs against float64 by at most a float32 sum
+    of I exact products, ``(I + 1) u32 (|x| |w|^T + |b|)``, plus its one rounding to bfloat16, ``u_bf16 |y|``.
+    Where PyTorch has the oneDNN GEMM, for a decode step's rows, with a gradient asked for or the kernels off:
+    F.linear itself."""
+    monkeypatch.setattr(kernels, "FLOAT32_BLOCK_BYTES", 100 * 4 * 384)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 40, 384, generator=g).bfloat16()
+    w, b = torch.randn(1001, 384, generator=g).bfloat16(), torch.randn(1001, generator=g).bfloat16()
+    with torch.no_grad(), kernels.float32_gemms(True):
+        assert kernels.uses_float32_gemm(x, w, b) and kernels.uses_float32_gemm(x, w)
+        xd, wd, bd = x.double(), w.double(), b.double()
+        for bias, exact_bias in ((b, bd), (None, torch.zeros_like(bd))):
+            y = kernels.linear(x, w, bias)
+            exact = xd @ wd.T + exact_bias
+            bound = 385 * U_F32 * (xd.abs() @ wd.abs().T + exact_bias.abs()) + U_BF16 * exact.abs()
+            assert y.shape == (2, 40, 1001) and y.dtype == torch.bfloat16
+            assert ((y.double() - exact).abs() <= bound).all()
+        step = x[:, :2]  # 4 rows: the matrix-vector kernel
+        assert not kernels.uses_float32_gemm(step, w, b) and kernels.uses_kernel(step, w, b)
+        assert not kernels.uses_float32_gemm(x, w, b.float())  # F.linear refuses mixed dtypes: its error stays
+        assert not kernels.uses_float32_gemm(x.float(), w.float(), b.float())
+        with kernels.enabled(False):
+            assert not kernels.uses_float32_gemm(x, w, b)
+            assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+        with kernels.float32_gemms(False):
+            assert not kernels.uses_float32_gemm(x, w, b)
+            assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+    w.requires_grad_(True)
+    with kernels.float32_gemms(True):
+        assert not kernels.uses_float32_gemm(x, w, b)  # training: F.linear, whose backward autograd has
+        assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_a_compiled_bfloat16_gemm_run_as_float32_gives_eager_bits():
+    """The float32 route compiles to the same library GEMM and the same float32 bias add and rounding: the same bits,
+    so a compiled generation's tokens are eager's (with inductor's emulate_precision_casts, which StaticLM's backend
+    sets, also where the input is rounded to bfloat16 inside the graph: ``x * 1.5`` here)."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(12, 24, generator=g).bfloat16(), torch.randn(40, 24, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16()
+
+    def scaled(x, w, b):
+        return kernels.linear(x * 1.5, w, b)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), kernels.float32_gemms(True):
+        assert kernels.uses_float32_gemm(x * 1.5, w, b)
+        compiled = torch.compile(scaled, fullgraph=True, options={"emulate_precision_casts": True})
+        assert torch.equal(compiled(x, w, b), scaled(x, w, b))
+    torch._dynamo.reset()
+
+
 def test_a_compiled_graph_keeps_f_linear_where_eager_calls_onednn():
     """Inductor lowers oneDNN's linear only with the weight frozen into the graph (it fails on a weight passed in):
     a traced call takes F.linear, which inductor compiles with its own choice of GEMM."""

@@ -74,6 +74,26 @@ def test_cached_logits_equal_uncached(random_ids, position):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_last_only_gives_the_last_positions_logits(random_ids, dtype):
+    """What generation asks after a prompt: the head's product for one row. In float64 the same numbers (to 1e-12:
+    the product of one row and of ten are the same sums); in float32 the one row runs on the matrix-vector kernel
+    and the ten on a GEMM, the same float32 sums in another order: 1e-5 is ~100 ulps of the logits' scale."""
+    torch.manual_seed(6)
+    model = DecoderLM(TransformerConfig.tiny(position="rotary")).to(dtype).eval()
+    ids = random_ids(2, 10, seed=9)
+    with torch.no_grad():
+        full, last = model(ids), model(ids, last_only=True)
+        assert last.shape == (2, 1, 32)
+        tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(last, full[:, -1:], rtol=tolerance, atol=tolerance)
+        cache = model.new_cache()
+        prompt = model(ids[:, :6], cache=cache, last_only=True)  # a prefill into a cache: the cache still fills
+        step = model(ids[:, 6:7], cache=cache)
+    torch.testing.assert_close(prompt, full[:, 5:6], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(step, full[:, 6:7], rtol=tolerance, atol=tolerance)
+
+
 def test_encoder_decoder_cached_decode_equals_full_decode(random_ids):
     torch.manual_seed(5)
     model = EncoderDecoder(TransformerConfig.tiny(position="rotary", num_kv_heads=2)).eval()

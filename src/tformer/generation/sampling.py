@@ -272,7 +272,7 @@ class IncrementalLM:
         """Logits of the token after the prompt (or the current window) ``(B, V)``; with ``use_cache`` into a
         fresh cache."""
         self.cache = self.model.new_cache() if self.use_cache else None
-        return self.model(self.ids[:, self.base : self.length], self._mask(), self.cache)[:, -1]
+        return self.model(self.ids[:, self.base : self.length], self._mask(), self.cache, last_only=True)[:, -1]
 
     def step(self, tokens: Tensor) -> Tensor:
         """Append ``tokens (B,)``; logits of the token after them ``(B, V)``."""
@@ -282,7 +282,7 @@ class IncrementalLM:
         if self.length > self.limit:  # a row's window is full: it restarts (learned positions only)
             return self._restart()
         if self.cache is None:
-            return self.model(self.ids[:, self.base : self.length], self._mask())[:, -1]
+            return self.model(self.ids[:, self.base : self.length], self._mask(), last_only=True)[:, -1]
         return self.model(tokens[:, None], self._mask(), self.cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
 
     def _restart(self) -> Tensor:

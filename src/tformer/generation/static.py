@@ -51,8 +51,8 @@ RECOMPILE_LIMIT = 64  # graphs of the compiled decode function dynamo keeps: 2 p
 AUTO_COMPILE_DEVICES = ("cuda",)  # where --compile auto compiles (auto_compile says why)
 
 
-def _call(model: DecoderLM, *args):
-    return model(*args)
+def _call(model: DecoderLM, *args, **kwargs):
+    return model(*args, **kwargs)
 
 
 def compiled_forward(model: DecoderLM) -> tuple[object, _Recorder | None]:
@@ -105,7 +105,10 @@ class _Recorder:
         return run
 
 
-RECORDER = _Recorder({"size_asserts": False})  # the CPU graphs' backend; StaticLM clears its note after each call
+# The CPU graphs' backend; StaticLM clears its note after each call. emulate_precision_casts: where eager rounds to
+# bfloat16 and reads the value back as float32 (a norm's output going into a bfloat16 GEMM run as float32:
+# kernels.uses_float32_gemm), the fused kernel rounds too, as eager does (by default inductor keeps the float32 value)
+RECORDER = _Recorder({"size_asserts": False, "emulate_precision_casts": True})
 _COMPILED: dict[bool, object] = {}  # on CUDA (CUDA graphs) or not -> torch.compile of _call
 
 
@@ -276,7 +279,7 @@ class StaticLM:
         for layer in self.cache:
             layer.self_kv.slots = slots
         prompt = self.ids[:, : self.length].contiguous()  # its own strides: the graph must not see the buffer width
-        logits = self._forward(prompt, self.keys, self.cache, self.prompt_positions)[:, -1]
+        logits = self._forward(prompt, self.keys, self.cache, self.prompt_positions, last_only=True)[:, -1]
         if self.recorder is not None:
             self.recorder.last = None  # it would hold this generation's cache
         for layer in self.cache:
@@ -316,9 +319,9 @@ class StaticLM:
             LAST_TIMINGS["first step"] = time.perf_counter() - start
         return logits
 
-    def _forward(self, *args) -> Tensor:
+    def _forward(self, *args, **kwargs) -> Tensor:
         try:
-            return self.forward(*args)
+            return self.forward(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit as err:
             raise _recompile_limit_error() from err
 

@@ -26,9 +26,11 @@ flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more ro
 evaluation) go to oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when
 they are gradient-free, outside a graph being compiled, and of at least :data:`ONEDNN_MIN_MACS` multiply-adds
 (:func:`uses_onednn`): F.linear's float32 GEMM is MKL's, which on an AMD EPYC (Zen 5) ran at 90-180 GFLOP/s where
-oneDNN ran at 160-420 (MiniLM's embeddings 1.7-1.8x faster). Everything else (training, float16 and float64, CUDA)
-goes to ``F.linear``. The kernel computes what ``F.linear`` computes up to the order of the float32 additions: the
-same products (a bfloat16 product is exact in float32), float32 sums, in bfloat16 one rounding after the bias.
+oneDNN ran at 160-420 (MiniLM's embeddings 1.7-1.8x faster). Gradient-free bfloat16 calls of more rows run as
+float32 GEMMs on CPUs where PyTorch has no oneDNN bfloat16 GEMM (:func:`uses_float32_gemm`; 7-8x faster there).
+Everything else (training, float16 and float64, CUDA) goes to ``F.linear``. The kernel computes what ``F.linear``
+computes up to the order of the float32 additions: the same products (a bfloat16 product is exact in float32),
+float32 sums, in bfloat16 one rounding after the bias.
 :func:`int8_linear` takes the same calls with int8 codes (bfloat16 or float32 activations): ``(x Q^T) s + b``,
 float32 inside, one rounding; on AVX2 with an AMD CPU (``paths()["int8"] == "avx2_bits"``) the sum runs over the
 codes' bits read as float32, ``(c + 128) x`` less ``128 sum(x)``, whose float32 error bound has ``|c| + 128`` for
@@ -72,6 +74,12 @@ _ONEDNN: list[bool | None] = [None]  # PyTorch's oneDNN linear op: None = not lo
 # weight, ~35-45 us) costs more than it saves (AMD EPYC Zen 5: 0.3-0.7x F.linear at 256 x 128 below 2^22, 1.2-1.4x
 # at 2-4M, 1.5-2.4x from 8M; BENCHMARKS.md "oneDNN for float32 GEMMs of more rows").
 ONEDNN_MIN_MACS = 1 << 22
+# Whether bfloat16 GEMMs of more rows run as float32 (uses_float32_gemm): where PyTorch has no oneDNN bfloat16 GEMM
+# on this CPU (asked once, here: a graph being traced cannot ask)
+_FLOAT32_GEMM = [not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())]
+# A bfloat16 GEMM run as float32 converts its weight this many bytes of float32 at a time (SmolLM2's layers in one
+# block, its 49152 x 576 head in 14): a block the GEMM reads back from cache, and no float32 copy of a whole head.
+FLOAT32_BLOCK_BYTES = 1 << 23
 
 
 def _cpuinfo(*fields: str) -> str:
@@ -282,6 +290,13 @@ def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
     return switched(_ON, on)
 
 
+def float32_gemms(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Run bfloat16 GEMMs of more rows as float32 (:func:`uses_float32_gemm`) or not, inside a ``with`` block: the
+    default is on where PyTorch has no oneDNN bfloat16 GEMM for this CPU (for A/B measurements, and tests of the route
+    on any CPU); compiled graphs guard on it."""
+    return switched(_FLOAT32_GEMM, on)
+
+
 def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
     """The checks both kernels share: turned on, CPU tensors, a matrix, at most :data:`MAX_ROWS` rows of ``x``, no
     gradient asked for, and the kernel built."""
@@ -388,26 +403,68 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     return not torch.compiler.is_compiling() and _onednn_available()
 
 
+def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` would run a bfloat16 GEMM as float32: turned on, bfloat16 CPU tensors, more than
+    :data:`MAX_ROWS` rows of ``x``, no gradient asked for, and a CPU on which PyTorch has no oneDNN bfloat16 GEMM
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` false: no AVX-512 and no AVX2-VNNI-2, e.g. AMD's Zen 3). There
+    ``F.linear``'s bfloat16 GEMM is a plain loop: on an AMD EPYC Zen 3, 35-48 ms for 512 rows at SmolLM2's layer
+    shapes where converting both operands to float32 and running the float32 GEMM takes 4-7 ms, and a 512-token
+    prefill took 7.7 s (BENCHMARKS.md "bfloat16 GEMMs on a CPU without bfloat16 arithmetic"). The products of
+    bfloat16 numbers are exact in float32 either way, the sums float32, one rounding to bfloat16 at the end."""
+    if not _ON[0] or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() < 2 or weight.dim() != 2:
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() <= MAX_ROWS * x.shape[-1]:
+        return False
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.dim() != 1):
+        return False
+    if torch.is_grad_enabled() and _asks_grad(x, weight, bias):
+        return False
+    return _FLOAT32_GEMM[0]
+
+
+def _float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear`` of bfloat16 tensors through float32 (:func:`uses_float32_gemm`): the weight converted
+    :data:`FLOAT32_BLOCK_BYTES` at a time, PyTorch's float32 ``mm`` (MKL's), the bias added in float32, one rounding.
+    ``mm`` and not oneDNN, and the bias apart: inductor runs these same ops (``mm`` as the same library call), so a
+    compiled graph gives the bits of an eager call (a compiled generation's tokens are eager's)."""
+    xf = x.reshape(-1, x.shape[-1]).float()  # (M, I)
+    rows = max(1, FLOAT32_BLOCK_BYTES // (4 * weight.shape[1]))
+    if rows >= weight.shape[0]:
+        y = xf @ weight.float().T  # (M, O)
+    else:
+        y = xf.new_empty(xf.shape[0], weight.shape[0])  # (M, O)
+        for start in range(0, weight.shape[0], rows):
+            y[:, start : start + rows] = xf @ weight[start : start + rows].float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., I) @ weight (O, I)^T + bias (O,) -> (..., O)``, through the kernel
-    when :func:`uses_kernel` says so, through oneDNN when :func:`uses_onednn` does."""
+    when :func:`uses_kernel` says so, through oneDNN when :func:`uses_onednn` does, as float32 when
+    :func:`uses_float32_gemm` does."""
     if uses_kernel(x, weight, bias):
         op = torch.ops.tformer.gemv_bf16 if x.dtype == torch.bfloat16 else torch.ops.tformer.gemv_f32
         y = op(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, O)
         return y.view(*x.shape[:-1], weight.shape[0])
     if uses_onednn(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # no fused activation
+    if uses_float32_gemm(x, weight, bias):
+        return _float32_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 __all__ = [
     "MAX_ROWS",
+    "FLOAT32_BLOCK_BYTES",
     "ONEDNN_MIN_MACS",
     "WEIGHT_KINDS",
     "attention",
     "build_error",
     "default_prefetch_rows",
     "enabled",
+    "float32_gemms",
     "int8_linear",
     "linear",
     "paths",
@@ -416,6 +473,7 @@ __all__ = [
     "switched",
     "uses_attention_kernel",
     "uses_block_kernel",
+    "uses_float32_gemm",
     "uses_int8_kernel",
     "uses_kernel",
     "uses_onednn",
