@@ -409,7 +409,7 @@ def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` false: no AVX-512 and no AVX2-VNNI-2, e.g. AMD's Zen 3). There
     ``F.linear``'s bfloat16 GEMM is a plain loop: on an AMD EPYC Zen 3, 35-48 ms for 512 rows at SmolLM2's layer
     shapes where converting both operands to float32 and running the float32 GEMM takes 4-7 ms, and a 512-token
-    prefill took 7.7 s (BENCHMARKS.md "bfloat16 GEMMs on a CPU without bfloat16 arithmetic"). The products of
+    prefill took 7.7 s (BENCHMARKS.md "bfloat16 prefill on a CPU without bfloat16 arithmetic"). The products of
     bfloat16 numbers are exact in float32 either way, the sums float32, one rounding to bfloat16 at the end."""
     if not _ON[0] or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() < 2 or weight.dim() != 2:
         return False
@@ -456,8 +456,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 __all__ = [
-    "MAX_ROWS",
     "FLOAT32_BLOCK_BYTES",
+    "MAX_ROWS",
     "ONEDNN_MIN_MACS",
     "WEIGHT_KINDS",
     "attention",
