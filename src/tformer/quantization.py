@@ -43,6 +43,8 @@ def _product(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Te
     fastest path that takes ``x``."""
     if kernels.uses_int8_kernel(x, codes):  # a decode step: tformer's int8 matrix-vector kernel
         return kernels.int8_linear(x, codes, scale, bias)
+    if kernels.uses_float32_int8_gemm(x, codes):  # a prompt, on a CPU where float32 GEMMs beat the int8 kernel
+        return kernels.float32_gemm(x, codes, bias, scale)
     if _fused(x, codes.shape[1]):
         flat = x.reshape(-1, x.shape[-1])  # (B*T, in)
         y = torch._weight_int8pack_mm(flat, codes, scale.to(x.dtype)).reshape(*x.shape[:-1], -1)

@@ -34,6 +34,36 @@ def test_the_layer_computes_with_the_dequantized_matrix(dtype, width):
     assert ours <= 2 * plain + 1e-6  # the fused int8 kernel rounds no worse than the plain same-dtype product
 
 
+@pytest.mark.parametrize("block_rows", [None, 7])  # the weight converted in one block, or in 7-row blocks (6 of 40)
+def test_many_rows_as_a_float32_gemm_on_the_exact_codes_within_a_float32_sums_roundoff(monkeypatch, block_rows):
+    """Where the float32 route is on (forced here, so that any CPU checks it), a bfloat16 product of at least
+    INT8_FLOAT32_MIN_ROWS rows runs as a float32 GEMM on the exact codes: against float64 with the same codes, scales
+    and bias, within a float32 sum of I products and the scale's and bias's two roundings,
+    ``(I + 2) u32 (|x| |Q|^T |s| + |b|)``, plus the one rounding to bfloat16, ``u_bf16 |y|``. Fewer rows, a gradient
+    for x, float32 x or the route off: the other paths (the int8 kernel or torch's int8 GEMM)."""
+    from tformer import kernels
+
+    if block_rows is not None:
+        monkeypatch.setattr(kernels, "FLOAT32_BLOCK_BYTES", block_rows * 4 * 96)
+    g = torch.Generator().manual_seed(3)
+    layer = Int8Linear.from_weight(torch.randn(40, 96, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16())
+    x = torch.randn(2, kernels.INT8_FLOAT32_MIN_ROWS // 2, 96, generator=g).bfloat16()
+    q, s, b = layer.codes.double(), layer.scale.double(), layer.bias.double()
+    exact = (x.double() @ q.T) * s + b
+    bound = 98 * 2.0**-24 * ((x.double().abs() @ q.abs().T) * s.abs() + b.abs()) + 2.0**-8 * exact.abs()
+    with torch.no_grad(), kernels.float32_gemms(True):
+        assert kernels.uses_float32_int8_gemm(x, layer.codes)
+        y = layer(x)
+        assert y.shape == (2, kernels.INT8_FLOAT32_MIN_ROWS // 2, 40) and y.dtype == torch.bfloat16
+        assert ((y.double() - exact).abs() <= bound).all()
+        assert not kernels.uses_float32_int8_gemm(x[:, 1:], layer.codes)  # one row short
+        assert not kernels.uses_float32_int8_gemm(x.float(), layer.codes)
+        with kernels.float32_gemms(False):
+            assert not kernels.uses_float32_int8_gemm(x, layer.codes)
+    with kernels.float32_gemms(True):
+        assert not kernels.uses_float32_int8_gemm(x.requires_grad_(True), layer.codes)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [24, 32])  # bfloat16: 24 takes the dequantizing path, 32 the fused kernel
 @pytest.mark.parametrize("rows", [1, 15])  # 1: tformer's int8 kernel in the forward (kernels.MAX_ROWS), 15: not

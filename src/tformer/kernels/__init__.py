@@ -80,6 +80,9 @@ _FLOAT32_GEMM = [not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn.
 # A bfloat16 GEMM run as float32 converts its weight this many bytes of float32 at a time (SmolLM2's layers in one
 # block, its 49152 x 576 head in 14): a block the GEMM reads back from cache, and no float32 copy of a whole head.
 FLOAT32_BLOCK_BYTES = 1 << 23
+# From this many rows an int8 product runs as a float32 GEMM there (uses_float32_int8_gemm): against int8pack_mm at
+# SmolLM2's shapes (Zen 3, bfloat16 x) 0.58-0.76x at 16 rows, 1.02-1.20x at 32, 1.26-1.32x at 64, 1.76-1.78x at 256.
+INT8_FLOAT32_MIN_ROWS = 64
 
 
 def _cpuinfo(*fields: str) -> str:
@@ -422,11 +425,23 @@ def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return _FLOAT32_GEMM[0]
 
 
-def _float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``linear`` of bfloat16 tensors through float32 (:func:`uses_float32_gemm`): the weight converted
-    :data:`FLOAT32_BLOCK_BYTES` at a time, PyTorch's float32 ``mm`` (MKL's), the bias added in float32, one rounding.
-    ``mm`` and not oneDNN, and the bias apart: inductor runs these same ops (``mm`` as the same library call), so a
-    compiled graph gives the bits of an eager call (a compiled generation's tokens are eager's)."""
+def uses_float32_int8_gemm(x: Tensor, codes: Tensor) -> bool:
+    """Whether an int8 product of :func:`tformer.quantize`'s, ``(x Q^T) s + b``, runs as a float32 GEMM on the exact
+    codes (:func:`float32_gemm`): the route on (:func:`uses_float32_gemm`'s CPUs; :func:`float32_gemms`), bfloat16 CPU
+    ``x`` of at least :data:`INT8_FLOAT32_MIN_ROWS` rows, no gradient asked for ``x``."""
+    if not _ON[0] or not _FLOAT32_GEMM[0] or x.dtype != torch.bfloat16 or codes.dtype != torch.int8 or x.dim() < 2:
+        return False
+    if x.device.type != "cpu" or codes.device.type != "cpu" or x.numel() < INT8_FLOAT32_MIN_ROWS * x.shape[-1]:
+        return False
+    return not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """``(x (..., I) @ weight (O, I)^T) * scale (O,) + bias (O,) -> (..., O)`` in ``x``'s dtype through float32:
+    :func:`linear` of bfloat16 tensors (:func:`uses_float32_gemm`), or int8 codes and their ``scale``
+    (:func:`uses_float32_int8_gemm`). The weight converted :data:`FLOAT32_BLOCK_BYTES` at a time (exactly), MKL's
+    float32 ``mm``, the scale and bias in float32, one rounding. ``mm`` and not oneDNN, the bias apart: inductor runs
+    the same ops (``mm`` the same library call), so a compiled graph gives an eager call's bits."""
     xf = x.reshape(-1, x.shape[-1]).float()  # (M, I)
     rows = max(1, FLOAT32_BLOCK_BYTES // (4 * weight.shape[1]))
     if rows >= weight.shape[0]:
@@ -435,9 +450,11 @@ def _float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         y = xf.new_empty(xf.shape[0], weight.shape[0])  # (M, O)
         for start in range(0, weight.shape[0], rows):
             y[:, start : start + rows] = xf @ weight[start : start + rows].float().T
+    if scale is not None:
+        y = y * scale.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0])
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -451,12 +468,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if uses_onednn(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # no fused activation
     if uses_float32_gemm(x, weight, bias):
-        return _float32_gemm(x, weight, bias)
+        return float32_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 __all__ = [
     "FLOAT32_BLOCK_BYTES",
+    "INT8_FLOAT32_MIN_ROWS",
     "MAX_ROWS",
     "ONEDNN_MIN_MACS",
     "WEIGHT_KINDS",
@@ -465,6 +483,7 @@ __all__ = [
     "default_prefetch_rows",
     "enabled",
     "float32_gemms",
+    "float32_gemm",
     "int8_linear",
     "linear",
     "paths",
@@ -474,6 +493,7 @@ __all__ = [
     "uses_attention_kernel",
     "uses_block_kernel",
     "uses_float32_gemm",
+    "uses_float32_int8_gemm",
     "uses_int8_kernel",
     "uses_kernel",
     "uses_onednn",
