@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tformer import DecoderLM, EncoderDecoder, TransformerConfig, generate, greedy_seq2seq, quantize
+from tformer import DecoderLM, EncoderDecoder, TransformerConfig, generate, greedy_seq2seq, kernels, quantize
 from tformer.quantization import Int8Linear, weight_bytes
 
 
@@ -41,8 +41,6 @@ def test_many_rows_as_a_float32_gemm_on_the_exact_codes_within_a_float32_sums_ro
     and bias, within a float32 sum of I products and the scale's and bias's two roundings,
     ``(I + 2) u32 (|x| |Q|^T |s| + |b|)``, plus the one rounding to bfloat16, ``u_bf16 |y|``. Fewer rows, a gradient
     for x, float32 x or the route off: the other paths (the int8 kernel or torch's int8 GEMM)."""
-    from tformer import kernels
-
     if block_rows is not None:
         monkeypatch.setattr(kernels, "FLOAT32_BLOCK_BYTES", block_rows * 4 * 96)
     g = torch.Generator().manual_seed(3)

@@ -406,34 +406,34 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     return not torch.compiler.is_compiling() and _onednn_available()
 
 
-def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` would run a bfloat16 GEMM as float32: turned on, bfloat16 CPU tensors, more than
-    :data:`MAX_ROWS` rows of ``x``, no gradient asked for, and a CPU on which PyTorch has no oneDNN bfloat16 GEMM
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` false: no AVX-512 and no AVX2-VNNI-2, e.g. AMD's Zen 3). There
-    ``F.linear``'s bfloat16 GEMM is a plain loop: on an AMD EPYC Zen 3, 35-48 ms for 512 rows at SmolLM2's layer
-    shapes where converting both operands to float32 and running the float32 GEMM takes 4-7 ms, and a 512-token
-    prefill took 7.7 s (BENCHMARKS.md "bfloat16 prefill on a CPU without bfloat16 arithmetic"). The products of
-    bfloat16 numbers are exact in float32 either way, the sums float32, one rounding to bfloat16 at the end."""
-    if not _ON[0] or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() < 2 or weight.dim() != 2:
+def _float32_route(x: Tensor, weight: Tensor, min_rows: int, wants_grad: bool) -> bool:
+    """What both float32 routes check: turned on, a CPU whose bfloat16 GEMMs run as float32 (:func:`float32_gemms`),
+    bfloat16 CPU ``x`` of at least ``min_rows`` rows against a matrix, no gradient asked for."""
+    if not (_ON[0] and _FLOAT32_GEMM[0]) or x.dtype != torch.bfloat16 or x.dim() < 2 or weight.dim() != 2:
         return False
-    if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() <= MAX_ROWS * x.shape[-1]:
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() < min_rows * x.shape[-1]:
+        return False
+    return not (torch.is_grad_enabled() and wants_grad)
+
+
+def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether :func:`linear` would run a bfloat16 GEMM as float32: bfloat16 CPU tensors, more than :data:`MAX_ROWS`
+    rows, no gradient asked for, on a CPU where PyTorch has no oneDNN bfloat16 GEMM (``torch.ops.mkldnn.
+    _is_mkldnn_bf16_supported()`` false: no AVX-512, no AVX2-VNNI-2, e.g. Zen 3). Its ``F.linear`` is a plain loop
+    there: 35-48 ms for 512 rows at SmolLM2's shapes against 4-7 ms as float32 (BENCHMARKS.md "bfloat16 prefill on
+    a CPU without bfloat16 arithmetic"). Bfloat16 products are exact in float32; float32 sums, one rounding."""
+    if weight.dtype != torch.bfloat16:
         return False
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.dim() != 1):
         return False
-    if torch.is_grad_enabled() and _asks_grad(x, weight, bias):
-        return False
-    return _FLOAT32_GEMM[0]
+    return _float32_route(x, weight, MAX_ROWS + 1, _asks_grad(x, weight, bias))
 
 
 def uses_float32_int8_gemm(x: Tensor, codes: Tensor) -> bool:
     """Whether an int8 product of :func:`tformer.quantize`'s, ``(x Q^T) s + b``, runs as a float32 GEMM on the exact
     codes (:func:`float32_gemm`): the route on (:func:`uses_float32_gemm`'s CPUs; :func:`float32_gemms`), bfloat16 CPU
     ``x`` of at least :data:`INT8_FLOAT32_MIN_ROWS` rows, no gradient asked for ``x``."""
-    if not _ON[0] or not _FLOAT32_GEMM[0] or x.dtype != torch.bfloat16 or codes.dtype != torch.int8 or x.dim() < 2:
-        return False
-    if x.device.type != "cpu" or codes.device.type != "cpu" or x.numel() < INT8_FLOAT32_MIN_ROWS * x.shape[-1]:
-        return False
-    return not (torch.is_grad_enabled() and x.requires_grad)
+    return codes.dtype == torch.int8 and _float32_route(x, codes, INT8_FLOAT32_MIN_ROWS, x.requires_grad)
 
 
 def float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
