@@ -526,9 +526,33 @@ inline void add_quarters(const CodeQuarters& q, const float* xs, __m256& a0, __m
 // A row's sum of products from its two chains of bits, its 2^T and offset, and its last K - body columns one by one.
 inline float bits_sum(__m256 a0, __m256 a1, double factor, double offset, const int8_t* qr, const float* x,
                       int64_t body, int64_t K) {
-  float sum = static_cast<float>(static_cast<double>(hsum8(_mm256_add_ps(a0, a1))) * factor - offset);
+  float sum = static_cast<float>(std::fma(static_cast<double>(hsum8(_mm256_add_ps(a0, a1))), factor, -offset));
   for (int64_t k = body; k < K; ++k) sum += static_cast<float>(qr[k]) * x[k];
   return sum;
+}
+
+// bits_sum for 8 rows at once (one row of x), all but their last K - body columns: lane j is
+// float(hsum8(chains[j]) 2^T - offset), hsum8's additions in hsum8's order and the same fused multiply-subtract in
+// double, so the same bits as bits_sum row by row, with the transposes shared: ~3 operations a row where bits_sum
+// takes ~10 on one chain of dependent ones.
+inline __m256 bits_sums8(const __m256 chains[8], double factor, double offset) {
+  __m256 s4[4];  // rows 2i and 2i + 1: each row's v[j] + v[j + 4], as hsum8's first step
+  for (int i = 0; i < 4; ++i) {
+    s4[i] = _mm256_add_ps(_mm256_permute2f128_ps(chains[2 * i], chains[2 * i + 1], 0x20),
+                          _mm256_permute2f128_ps(chains[2 * i], chains[2 * i + 1], 0x31));
+  }
+  __m256 s2[2];  // rows 4i, 4i + 2 in the low half, 4i + 1, 4i + 3 in the high: s4[0] + s4[2], s4[1] + s4[3]
+  for (int i = 0; i < 2; ++i) {
+    s2[i] = _mm256_add_ps(_mm256_shuffle_ps(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm256_shuffle_ps(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));  // rows 0 2 4 6 1 3 5 7
+  const __m256 h = _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256d f = _mm256_set1_pd(factor), o = _mm256_set1_pd(offset);
+  const __m128 lo = _mm256_cvtpd_ps(_mm256_fmsub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(h)), f, o));
+  const __m128 hi = _mm256_cvtpd_ps(_mm256_fmsub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(h, 1)), f, o));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 #else
 struct CodeBitsRows {};  // the codes' bits are read on AVX2 only
@@ -641,7 +665,9 @@ void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const
 // time with 8 rows of prefetch 0.613 and 0.640 of the bound, four streams without prefetch 0.684 and 0.737, with it
 // 0.655 (so no prefetch on AVX2 for AMD CPUs: tformer.kernels.prefetch_rows); four streams of the codes' bits 0.719
 // and 0.694 against 0.661 and 0.635 widened (two more runs): the widening capped a Zen 3 core at ~15 G codes/s even
-// from L3, the bits run at 21-26 (BENCHMARKS.md). -DTFORMER_AVX2_INT8_STREAMS=S sets S (4 by default);
+// from L3, the bits run at 21-26 (BENCHMARKS.md). On the bits' path each stream's rows are finished 8 at a time
+// (bits_sums8: their horizontal sums and scaling share the transposes; 0.679 of the bound against 0.648 row by row,
+// medians of five alternated processes, the rounds mixed). -DTFORMER_AVX2_INT8_STREAMS=S sets S (4 by default);
 // -DTFORMER_AVX2_INT8_ONE_STREAM keeps rows_int8<1>, for comparison.
 #ifndef TFORMER_AVX2_INT8_STREAMS
 #define TFORMER_AVX2_INT8_STREAMS 4
@@ -650,6 +676,7 @@ template <int S, typename Out>
 void rows_int8_streams(const float* xf, const CodeBitsRows& bits, const int8_t* q, Floats scale, Floats bias, Out* y,
                        int64_t K, int64_t n0, int64_t n1) {
   const int64_t body = K - K % 16;
+  __m256 pending[S][8];  // the bits' path: each stream's last rows' chains, a0 + a1, not yet summed
   // rows i, i + h, ..., i + (T - 1) h (T == 1: a row alone, one of the last (n1 - n0) % S)
   in_streams<S, kInt8Weights>(q, K, n0, n1, [&](int64_t i, int64_t h, auto streams) {
     constexpr int T = decltype(streams)::value;
@@ -663,6 +690,25 @@ void rows_int8_streams(const float* xf, const CodeBitsRows& bits, const int8_t* 
     if (bits.xs != nullptr) {  // the codes' bits (code_bits); each row as in bits_dot
       for (int64_t k = 0; k < bits.body; k += 32) {
         for (int t = 0; t < T; ++t) add_quarters(code_quarters(qr[t] + k), bits.xs + k, acc[t][0], acc[t][1]);
+      }
+      if constexpr (T == S && S > 1) {  // the streams' rows: their chains kept, finished 8 rows at a time
+        const int64_t j = (i - n0) % 8;
+        for (int t = 0; t < T; ++t) pending[t][j] = _mm256_add_ps(acc[t][0], acc[t][1]);
+        if (j == 7 || i == n0 + h - 1) {
+          const int64_t first = i - j;  // of the 8 (or the block's last j + 1) rows
+          for (int t = 0; t < T; ++t) {
+            for (int64_t jj = j + 1; jj < 8; ++jj) pending[t][jj] = _mm256_setzero_ps();
+            alignas(32) float sums[8];
+            _mm256_store_ps(sums, bits_sums8(pending[t], bits.factor[0], bits.offset[0]));
+            for (int64_t jj = 0; jj <= j; ++jj) {
+              const int64_t n = first + jj + t * h;
+              float total = sums[jj];
+              for (int64_t k = bits.body; k < K; ++k) total += static_cast<float>(q[n * K + k]) * xf[k];
+              y[n] = static_cast<Out>(std::fma(total, scale[n], bias ? bias[n] : 0.0f));
+            }
+          }
+        }
+        return;
       }
       for (int t = 0; t < T; ++t) {
         sum[t] = bits_sum(acc[t][0], acc[t][1], bits.factor[0], bits.offset[0], qr[t], xf, bits.body, K);
