@@ -407,6 +407,17 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const std::o
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// What every int8 loop ends a row with, so that a row gets the same bits from each: `sum` plus the products of its
+// columns [from, K) one by one, in order (those past the loop's vectors), and the output, the sum times the row's
+// scale plus its bias in one fused multiply-add.
+inline float plus_columns(float sum, const int8_t* qr, const float* x, int64_t from, int64_t K) {
+  for (int64_t k = from; k < K; ++k) sum += static_cast<float>(qr[k]) * x[k];
+  return sum;
+}
+inline float scaled_row(float sum, Floats scale, Floats bias, int64_t n) {
+  return std::fma(sum, scale[n], bias ? bias[n] : 0.0f);
+}
+
 #ifdef TFORMER_AVX512_INT8
 inline __m512 widen(__m128i codes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)); }  // 16 int8 -> float32
 
@@ -526,9 +537,8 @@ inline void add_quarters(const CodeQuarters& q, const float* xs, __m256& a0, __m
 // A row's sum of products from its two chains of bits, its 2^T and offset, and its last K - body columns one by one.
 inline float bits_sum(__m256 a0, __m256 a1, double factor, double offset, const int8_t* qr, const float* x,
                       int64_t body, int64_t K) {
-  float sum = static_cast<float>(std::fma(static_cast<double>(hsum8(_mm256_add_ps(a0, a1))), factor, -offset));
-  for (int64_t k = body; k < K; ++k) sum += static_cast<float>(qr[k]) * x[k];
-  return sum;
+  return plus_columns(static_cast<float>(std::fma(static_cast<double>(hsum8(_mm256_add_ps(a0, a1))), factor, -offset)),
+                      qr, x, body, K);
 }
 
 // bits_sum for 8 rows at once (one row of x), all but their last K - body columns: lane j is
@@ -599,8 +609,7 @@ void widened_dot(const int8_t* qr, const float* xf, int64_t K, float* sum) {
   for (int r = 0; r < R; ++r) {
     __m256 total = acc[r][0];
     for (int u = 1; u < 2 * U; ++u) total = _mm256_add_ps(total, acc[r][u]);
-    sum[r] = hsum8(total);
-    for (int64_t kk = body; kk < K; ++kk) sum[r] += static_cast<float>(qr[kk]) * xf[r * K + kk];
+    sum[r] = plus_columns(hsum8(total), qr, xf + r * K, body, K);
   }
 }
 #endif
@@ -650,8 +659,7 @@ void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const
 #else
     dot_portable<R>(xf, qr, K, sum);
 #endif
-    const float b = bias ? bias[n] : 0.0f;  // one fused multiply-add, whichever loop: the same bits in every one
-    for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(std::fma(sum[r], scale[n], b));
+    for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Out>(scaled_row(sum[r], scale, bias, n));
   }
 }
 
@@ -702,9 +710,7 @@ void rows_int8_streams(const float* xf, const CodeBitsRows& bits, const int8_t* 
             _mm256_store_ps(sums, bits_sums8(pending[t], bits.factor[0], bits.offset[0]));
             for (int64_t jj = 0; jj <= j; ++jj) {
               const int64_t n = first + jj + t * h;
-              float total = sums[jj];
-              for (int64_t k = bits.body; k < K; ++k) total += static_cast<float>(q[n * K + k]) * xf[k];
-              y[n] = static_cast<Out>(std::fma(total, scale[n], bias ? bias[n] : 0.0f));
+              y[n] = static_cast<Out>(scaled_row(plus_columns(sums[jj], q + n * K, xf, bits.body, K), scale, bias, n));
             }
           }
         }
@@ -722,13 +728,12 @@ void rows_int8_streams(const float* xf, const CodeBitsRows& bits, const int8_t* 
         }
       }
       for (int t = 0; t < T; ++t) {
-        sum[t] = hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
-        for (int64_t k = body; k < K; ++k) sum[t] += static_cast<float>(qr[t][k]) * xf[k];
+        sum[t] = plus_columns(hsum8(_mm256_add_ps(acc[t][0], acc[t][1])), qr[t], xf, body, K);
       }
     }
     for (int t = 0; t < T; ++t) {
       const int64_t n = i + t * h;
-      y[n] = static_cast<Out>(std::fma(sum[t], scale[n], bias ? bias[n] : 0.0f));
+      y[n] = static_cast<Out>(scaled_row(sum[t], scale, bias, n));
     }
   });
 }
