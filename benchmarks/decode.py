@@ -18,7 +18,9 @@
   every step through dynamo (``tformer.generation.static.REPLAY`` off: what ``StaticLM.replay`` saves), the
   settings' runs alternated ``--demo-repeats`` times (each takes ~0.2 s, so host noise would otherwise decide the
   ratio).
-* Batch 1, 4, 16 (SmolLM2, eager bfloat16 and int8): tokens/s, where decoding turns from bandwidth- to compute-bound.
+* Batch 1, 4, 16 (SmolLM2, eager bfloat16 and int8): tokens/s, where decoding turns from bandwidth- to compute-bound;
+  where the kernels take more than 4 rows (:func:`tformer.kernels.max_rows`), batch 16 also as it ran when they took
+  at most 4 (the rest on PyTorch's GEMMs), in the same rounds.
 * Time to first token for a 512-token prompt (prefill), eager against compiled (SmolLM2, bfloat16); where the CPU
   runs bfloat16 GEMMs as float32 (:func:`tformer.kernels.uses_float32_gemm`), eager with PyTorch's own as well.
 
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from unittest import mock
 
 import torch
 from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir, paired_shares
@@ -216,15 +219,21 @@ def main() -> None:
         )
 
     if "batch" not in skip:
-        print(f"SmolLM2-135M, eager, {new // 2} new tokens: tokens/s by batch size")
-        print("| batch | bfloat16 | int8 |\n|---:|---:|---:|")
         bf16 = copy.deepcopy(smollm.model).to(torch.bfloat16)
         int8 = quantize(copy.deepcopy(bf16))
+        wide = kernels.max_rows(torch.bfloat16) > kernels.MAX_ROWS
+        before = " bfloat16, kernels <= 4 rows | int8, kernels <= 4 rows |" if wide else ""
+        print(f"SmolLM2-135M, eager, {new // 2} new tokens: tokens/s by batch size")
+        print(f"| batch | bfloat16 | int8 |{before}\n|---:|---:|---:|" + ("---:|---:|" if wide else ""))
         for batch in (1, 4, 16):
-            prompts = [prompt] * batch
-            a = decode_rate(ours(bf16, prompts), new // 2, max(1, args.repeats - 1)) * batch
-            b = decode_rate(ours(int8, prompts), new // 2, max(1, args.repeats - 1)) * batch
-            print(f"| {batch} | {a:.1f} | {b:.1f} |", flush=True)
+            prompts, repeats = [prompt] * batch, max(1, args.repeats - 1)
+            cells = [f"{decode_rate(ours(m, prompts), new // 2, repeats) * batch:.1f}" for m in (bf16, int8)]
+            if wide and batch > kernels.MAX_ROWS:  # as before max_rows: more than 4 rows went to PyTorch's GEMMs
+                with mock.patch.object(kernels, "WIDE_ROWS", kernels.MAX_ROWS):
+                    cells += [f"{decode_rate(ours(m, prompts), new // 2, repeats) * batch:.1f}" for m in (bf16, int8)]
+            elif wide:
+                cells += ["(same)", "(same)"]  # 4 rows or fewer: the same calls
+            print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
         print()
 
     if "prefill" not in skip:
@@ -236,7 +245,7 @@ def main() -> None:
         print("time to first token, 512-token prompt, SmolLM2 bfloat16 (s)")
         print("| eager | compiled | first compiled call (compile) | last timings |\n|---:|---:|---:|---|")
         print(f"| {eager:.2f} | {compiled:.2f} | {first:.1f} | {dict(LAST_TIMINGS)} |", flush=True)
-        if kernels.uses_float32_gemm(torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(8, 8, dtype=torch.bfloat16)):
+        if kernels.uses_float32_gemm(torch.zeros(len(long), 8, dtype=torch.bfloat16), torch.zeros(8, 8).bfloat16()):
             with kernels.float32_gemms(False):  # this CPU runs them as float32: what PyTorch's own would take
                 native = best(lambda: generate(bf16, [long], max_new_tokens=1, greedy=True), args.repeats)
             print(f"eager with PyTorch's bfloat16 GEMMs (not as float32, kernels.uses_float32_gemm): {native:.2f} s")

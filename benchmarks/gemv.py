@@ -4,9 +4,11 @@ A decode step multiplies one row (or a few: a batch) by every weight matrix once
 121 matrices (30 layers of q|k|v, o and gate/up/down, and the 49152 x 576 head), random and distinct, so that they
 stream from memory as in a real step (135M parameters, far past the caches), and times one pass over all of them:
 
-* float32 ``F.linear`` (MKL) and the float32 kernel, bfloat16 ``F.linear`` (oneDNN) and the bfloat16 kernel; int8
-  codes (bfloat16 activations) on ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows,
-  best of ``--repeats``, in one run, the order rotated every repeat;
+* float32 ``F.linear`` (MKL) and the float32 kernel, bfloat16 ``F.linear`` (oneDNN where PyTorch has its bfloat16
+  GEMM, else a plain loop), the bfloat16 weights as float32 (``tformer.kernels.float32_gemm``: what those other CPUs
+  run past ``tformer.kernels.max_rows``) and the bfloat16 kernel; int8 codes (bfloat16 activations) on
+  ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows, best of ``--repeats``, in one
+  run, the order rotated every repeat;
 * the share of the read bandwidth (a ``sum`` over 1 GiB, measured in the same run) each reaches:
   weight bytes / time / bandwidth.
 
@@ -64,11 +66,12 @@ def main() -> None:
         "float32 F.linear",
         "float32 kernel",
         "bfloat16 F.linear",
+        "bfloat16 as float32",
         "bfloat16 kernel",
         "int8 _weight_int8pack_mm",
         "int8 kernel",
     ]
-    ratios = "f32 kernel / F.linear | bf16 kernel / F.linear | int8 kernel / pack"
+    ratios = "f32 kernel / F.linear | bf16 kernel / F.linear | bf16 kernel / as float32 | int8 kernel / pack"
     print(f"| rows | {' | '.join(names)} | {ratios} |")
     print("|---:|" + "---:|" * (len(names) + 2))
     for rows in args.rows:
@@ -76,6 +79,7 @@ def main() -> None:
             (one_step(f32, rows, F.linear), 4),
             (one_step(f32, rows, lambda x, w: torch.ops.tformer.gemv_f32(x, w, None)), 4),
             (one_step(bf16, rows, F.linear), 2),
+            (one_step(bf16, rows, kernels.float32_gemm), 2),
             (one_step(bf16, rows, lambda x, w: torch.ops.tformer.gemv_bf16(x, w, None)), 2),
             (one_step(int8, rows, pack), 1),
             (one_step(int8, rows, lambda x, q: kernels.int8_linear(x, q.codes, q.scale)), 1),
@@ -89,7 +93,7 @@ def main() -> None:
         cells = [
             f"{t * 1e3:.1f} ms ({params * nbytes / t / bw:.0%})" for t, (_, nbytes) in zip(times, runs, strict=True)
         ]
-        speedups = f"{times[0] / times[1]:.2f}x | {times[2] / times[3]:.2f}x | {times[4] / times[5]:.2f}x"
+        speedups = " | ".join(f"{times[a] / times[b]:.2f}x" for a, b in ((0, 1), (2, 4), (3, 4), (5, 6)))
         print(f"| {rows} | {' | '.join(cells)} | {speedups} |")
     print("(ms per pass over all matrices; in brackets: weight bytes / time / read bandwidth)")
 

@@ -4,7 +4,7 @@ Each linear layer's weight ``W (out, in)`` becomes int8 codes ``Q`` and one floa
 ``s_o = max_i |W_oi| / 127``, ``Q_oi = round(W_oi / s_o)``: so ``|W_oi - s_o Q_oi| <= s_o / 2``. Activations stay in
 the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` reads one byte per weight instead of two or
 four: decoding at batch 1 reads every weight once per token, so it is bound by those bytes. On the CPU a decode step
-(at most ``tformer.kernels.MAX_ROWS`` rows) runs on tformer's int8 matrix-vector kernel, longer inputs (prefill) on
+(at most :func:`tformer.kernels.max_rows` rows) runs on tformer's int8 matrix-vector kernel, longer inputs (prefill) on
 PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``); elsewhere the codes are dequantized per call.
 
 A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself

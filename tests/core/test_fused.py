@@ -98,6 +98,26 @@ def test_int8_blocks_fuse_within_the_same_bounds(monkeypatch, dtype):
         assert (on - oracle).abs().max() <= 2 * (off - oracle).abs().max()
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_sixteen_bfloat16_rows_fuse_where_bfloat16_gemms_run_as_float32(monkeypatch, int8):
+    """max_rows(bfloat16) rows: WIDE_ROWS where bfloat16 GEMMs run as float32 (forced on here, so that any CPU checks
+    it), a left-padded batch of 16 fused within twice the modules' error against float64; with the route off, 16 rows
+    are past MAX_ROWS: the modules."""
+    model = llama(num_kv_heads=2).bfloat16()
+    model = quantize(model) if int8 else model
+    lengths = tuple(3 + r % 7 for r in range(kernels.WIDE_ROWS))  # prompts of 3 to 9 tokens
+    calls = counting(monkeypatch)
+    with kernels.float32_gemms(True):
+        on = decode(model, True, lengths)[0]
+        assert len(calls) == 8
+        off = decode(model, False, lengths)[0]
+    oracle = decode(copy.deepcopy(model).double(), False, lengths)[0]
+    assert (on - oracle).abs().max() <= 2 * (off - oracle).abs().max()
+    with kernels.float32_gemms(False):
+        decode(model, True, lengths)
+    assert len(calls) == 8
+
+
 def test_generation_over_the_fused_step_gives_the_modules_tokens(random_prompts):
     model = llama(num_kv_heads=2)
     prompts = [[5], *random_prompts([2, 8, 5])]  # a one-token prompt: its prefill is a fused step too

@@ -261,10 +261,10 @@ def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     cancel, and the other half (random x and W) is rounded at their scale, so any other order of the additions
     shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a bfloat16
     rounding)."""
-    x, w, b = case(6, i, o, seed=3)
+    x, w, b = case(kernels.WIDE_ROWS, i, o, seed=3)  # as many rows as a call takes
     cancelling_half(x, w, 1.0, torch.tensor(4096.0).bfloat16(), seed=4)
-    alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, b) for r in range(6)])
-    for m in (2, 3, 4, 5, 6):
+    alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, b) for r in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 9, len(x)):
         assert torch.equal(torch.ops.tformer.gemv_bf16(x[:m], w, b), alone[:m])
     exact, bound = rounding_bound(x, w, b)
     assert ((alone.double() - exact).abs() <= bound).all()
@@ -280,7 +280,7 @@ def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     float32 additions changes the float32 result (I = 17 and 16 are below the 32 columns the bits are read in)."""
     if kernels.paths()["int8"] == "avx512":
         pytest.skip("the AVX-512 int8 loop sums batch 1 in four chains and batches in two: other bits, same bound")
-    x, w, b = case(6, i, o, seed=5)
+    x, w, b = case(kernels.WIDE_ROWS, i, o, seed=5)
     layer = Int8Linear.from_weight(w.float(), b.float())
     x = x.float()
     cancelling_half(x, layer.codes, 1024.0, torch.tensor(127, dtype=torch.int8), seed=6)
@@ -288,8 +288,8 @@ def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     def product(rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.tformer.gemv_int8(rows, layer.codes, layer.scale, layer.bias)
 
-    alone = torch.cat([product(x[r : r + 1]) for r in range(6)])
-    for m in (2, 3, 4, 5, 6):
+    alone = torch.cat([product(x[r : r + 1]) for r in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 9, len(x)):
         assert torch.equal(product(x[:m]), alone[:m])
     exact, bound = int8_bound(x, layer, code_offset(), U_F32)
     assert ((alone.double() - exact).abs() <= bound).all()
@@ -321,7 +321,7 @@ def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
 
 
 def test_a_quantized_layer_decodes_on_the_int8_kernel_and_prefills_on_torchs():
-    x, w, b = case(8, 64, 24)
+    x, w, b = case(kernels.WIDE_ROWS + 4, 64, 24)  # more rows than the kernel takes on any CPU
     layer = Int8Linear.from_weight(w, b)
     with torch.no_grad():
         assert kernels.uses_int8_kernel(x[:1], layer.codes) and not kernels.uses_int8_kernel(x, layer.codes)
@@ -351,11 +351,22 @@ def test_the_kernel_refuses_mismatched_arguments_by_name():
 
 
 def test_linear_routes_only_gradient_free_bfloat16_and_float32_cpu_calls_of_few_rows_to_the_kernel():
-    x, w, b = case(kernels.MAX_ROWS, 32, 16)
+    """At most max_rows(dtype) rows: 4 (MAX_ROWS), or 16 (WIDE_ROWS) for bfloat16 and int8 weights where bfloat16
+    GEMMs run as float32 (forced on and off here, so that any CPU checks both)."""
+    x, w, b = case(kernels.WIDE_ROWS + 1, 32, 16)
+    codes = torch.zeros(16, 32, dtype=torch.int8)
     with torch.no_grad():
-        assert kernels.uses_kernel(x, w, b)
-        assert kernels.uses_kernel(x[None], w)  # leading dims are flattened: still MAX_ROWS rows
-        assert not kernels.uses_kernel(torch.cat([x, x[:1]]), w)  # one row more: F.linear's GEMM
+        for route, rows in ((False, kernels.MAX_ROWS), (True, kernels.WIDE_ROWS)):
+            with kernels.float32_gemms(route):
+                assert kernels.max_rows(torch.bfloat16) == kernels.max_rows(torch.int8) == rows
+                assert kernels.max_rows(torch.float32) == kernels.MAX_ROWS
+                assert kernels.uses_kernel(x[:rows], w, b)
+                assert kernels.uses_kernel(x[None, :rows], w)  # leading dims are flattened: still `rows` rows
+                assert not kernels.uses_kernel(x[: rows + 1], w)  # one row more: a GEMM
+                assert kernels.uses_int8_kernel(x[:rows], codes) and not kernels.uses_int8_kernel(x[: rows + 1], codes)
+                assert kernels.uses_kernel(x[: kernels.MAX_ROWS].float(), w.float(), b.float())
+                assert not kernels.uses_kernel(x[: kernels.MAX_ROWS + 1].float(), w.float(), b.float())
+        x = x[: kernels.MAX_ROWS]
         assert kernels.uses_kernel(x.float(), w.float(), b.float())
         assert torch.equal(
             kernels.linear(x.float(), w.float(), b.float()), torch.ops.tformer.gemv_f32(x.float(), w.float(), b.float())
@@ -369,7 +380,7 @@ def test_linear_routes_only_gradient_free_bfloat16_and_float32_cpu_calls_of_few_
             assert not kernels.uses_kernel(x, w, b)
     w.requires_grad_(True)
     assert not kernels.uses_kernel(x, w, b)  # training: autograd needs F.linear
-    with torch.no_grad():
+    with torch.no_grad(), kernels.float32_gemms(False):
         assert kernels.uses_kernel(x, w, b)
         many = torch.cat([x, x[:1]])
         assert torch.equal(kernels.linear(many, w, b), F.linear(many, w, b))  # the fallback is F.linear itself
@@ -445,7 +456,8 @@ def test_a_compiled_bfloat16_gemm_run_as_float32_gives_eager_bits():
     so a compiled generation's tokens are eager's (with inductor's emulate_precision_casts, which StaticLM's backend
     sets, also where the input is rounded to bfloat16 inside the graph: ``x * 1.5`` here)."""
     g = torch.Generator().manual_seed(6)
-    x, w = torch.randn(12, 24, generator=g).bfloat16(), torch.randn(40, 24, generator=g).bfloat16()
+    rows = kernels.WIDE_ROWS + 4  # more than the kernel takes
+    x, w = torch.randn(rows, 24, generator=g).bfloat16(), torch.randn(40, 24, generator=g).bfloat16()
     b = torch.randn(40, generator=g).bfloat16()
 
     def scaled(x, w, b):

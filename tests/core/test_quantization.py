@@ -64,7 +64,7 @@ def test_many_rows_as_a_float32_gemm_on_the_exact_codes_within_a_float32_sums_ro
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [24, 32])  # bfloat16: 24 takes the dequantizing path, 32 the fused kernel
-@pytest.mark.parametrize("rows", [1, 15])  # 1: tformer's int8 kernel in the forward (kernels.MAX_ROWS), 15: not
+@pytest.mark.parametrize("rows", [1, 20])  # 1: tformer's int8 kernel in the forward (kernels.max_rows), 20: not
 def test_the_gradient_reaches_the_input_through_the_codes(dtype, width, rows):
     g = torch.Generator().manual_seed(2)
     w, dy = torch.randn(40, width, generator=g), torch.randn(rows, 40, generator=g)

@@ -11,23 +11,23 @@ the bytes the fixed start-up of each call weighs twice as much (still 1.2-1.3x `
 Between the products, each layer attends one query row to its cache: PyTorch's CPU flash kernel spends ~40 us a
 call on set-up made for long queries (~90 us on bfloat16 through its float32 route), a sixth of a compiled SmolLM2
 step; ``attention.cpp`` does the same call in a few microseconds plus the arithmetic (BENCHMARKS.md "Attention kernel
-for CPU decoding"; ``benchmarks/decode_attention.py``). In float32, MKL's one-row GEMM depends on the CPU: on an
-Intel Xeon it streamed at about 90%, on an AMD EPYC (Zen 5) at 15-35% of the bandwidth, where ``gemv.cpp``'s float32
-form streams at 77-90% at 1-4 rows and costs 1.2-1.4x less per call at the demo model's cache-resident 64-256 KB
-matrices (BENCHMARKS.md "On AMD EPYC (Zen 5)"); it is a plain FMA loop, so it runs near the bandwidth on any CPU.
+for CPU decoding"; ``benchmarks/decode_attention.py``). MKL's one-row float32 GEMM streamed at about 90% of the
+bandwidth on an Intel Xeon, 15-35% on an AMD EPYC (Zen 5), where ``gemv.cpp``'s float32 FMA loop streams at 77-90%
+at 1-4 rows, 1.2-1.4x faster at the demo model's 64-256 KB matrices (BENCHMARKS.md "On AMD EPYC (Zen 5)").
 
 And whole blocks. ``block.cpp`` runs a decode step of a stack of Llama-style blocks as one op,
 ``tformer::decode_blocks`` (:mod:`tformer.fused` calls it): the products and the attention above, and between them,
 in C++ on the calling thread, what the modules would have run as ~9 Python calls a block or, compiled, ~4 inductor
 kernels (norms, RoPE, the cache write, SwiGLU, residual sums). ``kernels.h`` is what the three files share.
 
-When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :data:`MAX_ROWS` rows (``x``
-flattened to ``(M, I)``) when no gradient is asked for. Float32 calls of more rows (prefill, an encoder's forward,
-evaluation) go to oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when
-they are gradient-free, outside a graph being compiled, and of at least :data:`ONEDNN_MIN_MACS` multiply-adds
-(:func:`uses_onednn`): F.linear's float32 GEMM is MKL's, which on an AMD EPYC (Zen 5) ran at 90-180 GFLOP/s where
-oneDNN ran at 160-420 (MiniLM's embeddings 1.7-1.8x faster). Gradient-free bfloat16 calls of more rows run as
-float32 GEMMs on CPUs where PyTorch has no oneDNN bfloat16 GEMM (:func:`uses_float32_gemm`; 7-8x faster there).
+When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :func:`max_rows` rows (``x``
+flattened to ``(M, I)``; 4, or 16 for bfloat16 and int8 where bfloat16 GEMMs run as float32) without gradients.
+Float32 calls of more rows (prefill, an encoder's forward, evaluation) go to oneDNN's GEMM
+(``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when gradient-free, outside a graph
+being compiled, and of at least :data:`ONEDNN_MIN_MACS` multiply-adds (:func:`uses_onednn`): F.linear's float32
+GEMM is MKL's, which on an AMD EPYC (Zen 5) ran at 90-180 GFLOP/s where oneDNN ran at 160-420 (MiniLM's embeddings
+1.7-1.8x faster). Gradient-free bfloat16 calls of more rows run as float32 GEMMs on CPUs where PyTorch has no oneDNN
+bfloat16 GEMM (:func:`uses_float32_gemm`; 7-8x faster there).
 Everything else (training, float16 and float64, CUDA) goes to ``F.linear``. The kernel computes what ``F.linear``
 computes up to the order of the float32 additions: the same products (a bfloat16 product is exact in float32),
 float32 sums, in bfloat16 one rounding after the bias.
@@ -65,6 +65,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
+# ... and this many for bfloat16 and int8 weights where bfloat16 GEMMs run as float32 (_FLOAT32_GEMM): F.linear's
+# routes there convert each weight (bfloat16) or widen each code (int8pack_mm) at every call; the kernel beat them
+WIDE_ROWS = 16  # at 8-16 rows, bfloat16 1.6-3.0x, int8 1.6-1.8x (SmolLM2's layers, Zen 3; BENCHMARKS.md)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp", "block.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)  # not compiled on their own, but part of the build's hash
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
@@ -134,7 +137,7 @@ def ready() -> bool:
             verbose=False,
         )
         torch.library.register_fake("tformer::gemv_bf16")(_gemv_shape)
-        torch.library.register_fake("tformer::gemv_int8")(_int8_shape)
+        torch.library.register_fake("tformer::gemv_int8")(_gemv_shape)
         torch.library.register_fake("tformer::gemv_f32")(_gemv_shape)
         torch.library.register_fake("tformer::decode_attention")(_attention_shape)
         torch.library.register_fake("tformer::decode_blocks")(_block_shape)
@@ -227,17 +230,11 @@ def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
     the call (0 when the kernels are not built).
 
     The defaults (:func:`default_prefetch_rows`) follow what was measured on weights packed by
-    :func:`tformer.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; BENCHMARKS.md): a loop that
-    converts each weight before multiplying needs the prefetch (int8 codes), the others do not on AMD CPUs. On an
-    AMD EPYC Zen 4 (native bfloat16 products) a bfloat16 step took 0.85-0.92 of its time without a software prefetch
-    as with 8 rows ahead; on a Zen 3 (AVX2: each bfloat16 widened to float32 first, batch 1's rows read as two
-    streams) a bfloat16 step read at 0.766 of its bound without against 0.699 with 8 rows ahead (medians of five
-    alternated processes), and a float32 step took 1.11-1.14 of its time with them. An int8 step (its codes widened)
-    took 0.89 of its time with 8 rows ahead as without on the Zen 4's AVX-512 loop (one row at a time); on the Zen 3,
-    whose AVX2 loop reads batch 1's rows of codes as four streams, it read at 0.737 of its bound without against
-    0.655 with 8 rows ahead (0.640 one row at a time with them). On an Intel Xeon, no prefetch was 10-20% slower
-    (bfloat16). A setting of the process, read by every call (``benchmarks/decode_step.py``
-    compares settings burst by burst)."""
+    :func:`tformer.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; the figures in gemv.cpp's
+    ``prefetch_rows`` and BENCHMARKS.md): a loop that widens each code one row at a time needs the prefetch (AVX-512
+    int8), the others do not on AMD CPUs (Zen 3 and 4: 0.85-0.92 of the time without it); on an Intel Xeon no
+    prefetch was 10-20% slower (bfloat16). A setting of the process, read by every call
+    (``benchmarks/decode_step.py`` compares settings burst by burst)."""
     _check_weights(weights)
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 1024):
         raise ValueError(f"prefetch_rows: rows={rows!r}; need an int from 0 (no software prefetch) to 1024")
@@ -246,12 +243,8 @@ def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
     return int(torch.ops.tformer.gemv_prefetch(-1 if rows is None else rows, WEIGHT_KINDS.index(weights)))
 
 
-def _gemv_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])  # (M, O): what torch.compile traces
-
-
-def _int8_shape(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0])  # (M, O)
+def _gemv_shape(x: Tensor, weight: Tensor, *rest) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # (M, O) from x (M, I), weight or int8 codes (O, I)
 
 
 def _attention_shape(query: Tensor, key: Tensor, value: Tensor, mask, is_causal: bool, scale: float) -> Tensor:
@@ -300,12 +293,18 @@ def float32_gemms(on: bool) -> contextlib.AbstractContextManager[None]:
     return switched(_FLOAT32_GEMM, on)
 
 
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows of ``x`` the matrix-vector kernels take for weights (or :mod:`tformer.fused`, activations) of
+    ``dtype``: :data:`WIDE_ROWS` for bfloat16 and int8 where :func:`float32_gemms` is on, else :data:`MAX_ROWS`."""
+    return WIDE_ROWS if _FLOAT32_GEMM[0] and dtype in (torch.bfloat16, torch.int8) else MAX_ROWS
+
+
 def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
-    """The checks both kernels share: turned on, CPU tensors, a matrix, at most :data:`MAX_ROWS` rows of ``x``, no
+    """The checks both kernels share: turned on, CPU tensors, a matrix, at most :func:`max_rows` rows of ``x``, no
     gradient asked for, and the kernel built."""
     if not _ON[0] or x.device.type != "cpu" or weight.device.type != "cpu" or x.dim() == 0 or weight.dim() != 2:
         return False
-    if x.numel() > MAX_ROWS * x.shape[-1]:
+    if x.numel() > max_rows(weight.dtype) * x.shape[-1]:
         return False
     return not (torch.is_grad_enabled() and wants_grad) and ready()
 
@@ -355,9 +354,7 @@ def uses_attention_kernel(
         return False
     if query.dtype not in (torch.float32, torch.bfloat16) or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
-    if query.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
-        return False
-    if query.shape[-2] > MAX_ROWS or query.shape[-1] > 1024:
+    if any(t.device.type != "cpu" for t in (query, key, value)) or query.shape[-2] > MAX_ROWS or query.shape[-1] > 1024:
         return False
     if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.device.type != "cpu"):
         return False
@@ -417,7 +414,7 @@ def _float32_route(x: Tensor, weight: Tensor, min_rows: int, wants_grad: bool) -
 
 
 def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` would run a bfloat16 GEMM as float32: bfloat16 CPU tensors, more than :data:`MAX_ROWS`
+    """Whether :func:`linear` would run a bfloat16 GEMM as float32: bfloat16 CPU tensors, more than :data:`WIDE_ROWS`
     rows, no gradient asked for, on a CPU where PyTorch has no oneDNN bfloat16 GEMM (``torch.ops.mkldnn.
     _is_mkldnn_bf16_supported()`` false: no AVX-512, no AVX2-VNNI-2, e.g. Zen 3). Its ``F.linear`` is a plain loop
     there: 35-48 ms for 512 rows at SmolLM2's shapes against 4-7 ms as float32 (BENCHMARKS.md "bfloat16 prefill on
@@ -426,7 +423,7 @@ def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
         return False
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.dim() != 1):
         return False
-    return _float32_route(x, weight, MAX_ROWS + 1, _asks_grad(x, weight, bias))
+    return _float32_route(x, weight, WIDE_ROWS + 1, _asks_grad(x, weight, bias))
 
 
 def uses_float32_int8_gemm(x: Tensor, codes: Tensor) -> bool:
@@ -476,6 +473,7 @@ __all__ = [
     "FLOAT32_BLOCK_BYTES",
     "INT8_FLOAT32_MIN_ROWS",
     "MAX_ROWS",
+    "WIDE_ROWS",
     "ONEDNN_MIN_MACS",
     "WEIGHT_KINDS",
     "attention",
@@ -486,6 +484,7 @@ __all__ = [
     "float32_gemm",
     "int8_linear",
     "linear",
+    "max_rows",
     "paths",
     "prefetch_rows",
     "ready",
