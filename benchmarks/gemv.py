@@ -73,7 +73,7 @@ def main() -> None:
     ]
     ratios = "f32 kernel / F.linear | bf16 kernel / F.linear | bf16 kernel / as float32 | int8 kernel / pack"
     print(f"| rows | {' | '.join(names)} | {ratios} |")
-    print("|---:|" + "---:|" * (len(names) + 2))
+    print("|---:|" + "---:|" * (len(names) + ratios.count("|") + 1))
     for rows in args.rows:
         runs = [
             (one_step(f32, rows, F.linear), 4),
