@@ -261,7 +261,7 @@ def test_a_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     cancel, and the other half (random x and W) is rounded at their scale, so any other order of the additions
     shows in the bfloat16 result (random data alone would hide it: a float32 roundoff rarely moves a bfloat16
     rounding)."""
-    x, w, b = case(kernels.WIDE_ROWS, i, o, seed=3)  # as many rows as a call takes
+    x, w, b = case(kernels.WIDE_ROWS, i, o, seed=3)  # the most rows a decode call brings (kernels.max_rows)
     cancelling_half(x, w, 1.0, torch.tensor(4096.0).bfloat16(), seed=4)
     alone = torch.cat([torch.ops.tformer.gemv_bf16(x[r : r + 1], w, b) for r in range(len(x))])
     for m in (2, 3, 4, 5, 6, 9, len(x)):

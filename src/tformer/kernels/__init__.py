@@ -67,7 +67,7 @@ from torch import Tensor
 MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
 # ... and this many for bfloat16 and int8 weights where bfloat16 GEMMs run as float32 (_FLOAT32_GEMM): F.linear's
 # routes there convert each weight (bfloat16) or widen each code (int8pack_mm) at every call; the kernel beat them
-WIDE_ROWS = 16  # at 8-16 rows, bfloat16 1.6-3.0x, int8 1.6-1.8x (SmolLM2's layers, Zen 3; BENCHMARKS.md)
+WIDE_ROWS = 16  # at 8-16 rows, bfloat16 1.6-5.3x, int8 1.5-1.8x (SmolLM2's layers, Zen 3; BENCHMARKS.md)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp", "block.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)  # not compiled on their own, but part of the build's hash
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
