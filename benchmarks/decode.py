@@ -225,12 +225,16 @@ def main() -> None:
         before = " bfloat16, kernels <= 4 rows | int8, kernels <= 4 rows |" if wide else ""
         print(f"SmolLM2-135M, eager, {new // 2} new tokens: tokens/s by batch size")
         print(f"| batch | bfloat16 | int8 |{before}\n|---:|---:|---:|" + ("---:|---:|" if wide else ""))
-        for batch in (1, 4, 16):
+
+        def rates(batch: int) -> list[str]:  # tokens/s at this batch, bfloat16 then int8
             prompts, repeats = [prompt] * batch, max(1, args.repeats - 1)
-            cells = [f"{decode_rate(ours(m, prompts), new // 2, repeats) * batch:.1f}" for m in (bf16, int8)]
+            return [f"{decode_rate(ours(m, prompts), new // 2, repeats) * batch:.1f}" for m in (bf16, int8)]
+
+        for batch in (1, 4, 16):
+            cells = rates(batch)
             if wide and batch > kernels.MAX_ROWS:  # as before max_rows: more than 4 rows went to PyTorch's GEMMs
                 with mock.patch.object(kernels, "WIDE_ROWS", kernels.MAX_ROWS):
-                    cells += [f"{decode_rate(ours(m, prompts), new // 2, repeats) * batch:.1f}" for m in (bf16, int8)]
+                    cells += rates(batch)
             elif wide:
                 cells += ["(same)", "(same)"]  # 4 rows or fewer: the same calls
             print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)

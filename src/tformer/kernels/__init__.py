@@ -383,12 +383,12 @@ def _onednn_available() -> bool:
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :func:`linear` would run oneDNN's float32 GEMM on these arguments: turned on (:func:`enabled`),
-    float32 CPU tensors, contiguous, more than :data:`MAX_ROWS` rows of ``x`` (fewer: the matrix-vector kernel) and
+    float32 CPU tensors, contiguous, more than :func:`max_rows` rows of ``x`` (fewer: the matrix-vector kernel) and
     at least :data:`ONEDNN_MIN_MACS` multiply-adds, no gradient asked for, not inside a graph ``torch.compile`` is
     tracing, and PyTorch built with oneDNN."""
     if not _ON[0] or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() < 2 or weight.dim() != 2:
         return False
-    if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() <= MAX_ROWS * x.shape[-1]:
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.numel() <= max_rows(weight.dtype) * x.shape[-1]:
         return False
     if x.numel() * weight.shape[0] < ONEDNN_MIN_MACS:  # M * I * O multiply-adds
         return False
@@ -414,7 +414,7 @@ def _float32_route(x: Tensor, weight: Tensor, min_rows: int, wants_grad: bool) -
 
 
 def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :func:`linear` would run a bfloat16 GEMM as float32: bfloat16 CPU tensors, more than :data:`WIDE_ROWS`
+    """Whether :func:`linear` would run a bfloat16 GEMM as float32: bfloat16 CPU tensors, more than :func:`max_rows`
     rows, no gradient asked for, on a CPU where PyTorch has no oneDNN bfloat16 GEMM (``torch.ops.mkldnn.
     _is_mkldnn_bf16_supported()`` false: no AVX-512, no AVX2-VNNI-2, e.g. Zen 3). Its ``F.linear`` is a plain loop
     there: 35-48 ms for 512 rows at SmolLM2's shapes against 4-7 ms as float32 (BENCHMARKS.md "bfloat16 prefill on
@@ -423,7 +423,7 @@ def uses_float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
         return False
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu" or bias.dim() != 1):
         return False
-    return _float32_route(x, weight, WIDE_ROWS + 1, _asks_grad(x, weight, bias))
+    return _float32_route(x, weight, max_rows(weight.dtype) + 1, _asks_grad(x, weight, bias))
 
 
 def uses_float32_int8_gemm(x: Tensor, codes: Tensor) -> bool:
