@@ -4,8 +4,10 @@ Each linear layer's weight ``W (out, in)`` becomes int8 codes ``Q`` and one floa
 ``s_o = max_i |W_oi| / 127``, ``Q_oi = round(W_oi / s_o)``: so ``|W_oi - s_o Q_oi| <= s_o / 2``. Activations stay in
 the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` reads one byte per weight instead of two or
 four: decoding at batch 1 reads every weight once per token, so it is bound by those bytes. On the CPU a decode step
-(at most :func:`tformer.kernels.max_rows` rows) runs on tformer's int8 matrix-vector kernel, longer inputs (prefill) on
-PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``); elsewhere the codes are dequantized per call.
+(at most :func:`tformer.kernels.max_rows` rows, 16) runs on tformer's int8 matrix-vector kernel, longer bfloat16
+inputs (prefill) on PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``), float32 ones as a float32
+GEMM on the exact codes (:func:`tformer.kernels.float32_gemm`: torch's fused kernel took 30-57x as long for float32
+inputs, a scalar loop; BENCHMARKS.md); elsewhere the codes are dequantized per call.
 
 A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself
 stays in floating point (a lookup reads only the rows of the tokens it is given). The result is for inference: the
@@ -44,6 +46,8 @@ def _product(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Te
     if kernels.uses_int8_kernel(x, codes):  # a decode step: tformer's int8 matrix-vector kernel
         return kernels.int8_linear(x, codes, scale, bias)
     if kernels.uses_float32_int8_gemm(x, codes):  # a prompt, on a CPU where float32 GEMMs beat the int8 kernel
+        return kernels.float32_gemm(x, codes, bias, scale)
+    if x.dtype == torch.float32 and x.device.type == "cpu" and codes.device.type == "cpu":  # not int8pack_mm's loop
         return kernels.float32_gemm(x, codes, bias, scale)
     if _fused(x, codes.shape[1]):
         flat = x.reshape(-1, x.shape[-1])  # (B*T, in)

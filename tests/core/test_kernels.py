@@ -351,19 +351,21 @@ def test_the_kernel_refuses_mismatched_arguments_by_name():
 
 
 def test_linear_routes_only_gradient_free_bfloat16_and_float32_cpu_calls_of_few_rows_to_the_kernel():
-    """At most max_rows(dtype) rows: 4 (MAX_ROWS), or 16 (WIDE_ROWS) for bfloat16 and int8 weights where bfloat16
-    GEMMs run as float32 (forced on and off here, so that any CPU checks both)."""
+    """At most max_rows(dtype) rows: 4 (MAX_ROWS), or 16 (WIDE_ROWS) for int8 codes (bfloat16 or float32 x) and for
+    bfloat16 weights where bfloat16 GEMMs run as float32 (forced on and off here, so that any CPU checks both)."""
     x, w, b = case(kernels.WIDE_ROWS + 1, 32, 16)
     codes = torch.zeros(16, 32, dtype=torch.int8)
+    wide = kernels.WIDE_ROWS
     with torch.no_grad():
         for route, rows in ((False, kernels.MAX_ROWS), (True, kernels.WIDE_ROWS)):
             with kernels.float32_gemms(route):
-                assert kernels.max_rows(torch.bfloat16) == kernels.max_rows(torch.int8) == rows
+                assert kernels.max_rows(torch.bfloat16) == rows and kernels.max_rows(torch.int8) == wide
                 assert kernels.max_rows(torch.float32) == kernels.MAX_ROWS
                 assert kernels.uses_kernel(x[:rows], w, b)
                 assert kernels.uses_kernel(x[None, :rows], w)  # leading dims are flattened: still `rows` rows
                 assert not kernels.uses_kernel(x[: rows + 1], w)  # one row more: a GEMM
-                assert kernels.uses_int8_kernel(x[:rows], codes) and not kernels.uses_int8_kernel(x[: rows + 1], codes)
+                for xs in (x, x.float()):
+                    assert kernels.uses_int8_kernel(xs[:wide], codes) and not kernels.uses_int8_kernel(xs, codes)
                 assert kernels.uses_kernel(x[: kernels.MAX_ROWS].float(), w.float(), b.float())
                 assert not kernels.uses_kernel(x[: kernels.MAX_ROWS + 1].float(), w.float(), b.float())
         x = x[: kernels.MAX_ROWS]

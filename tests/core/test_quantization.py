@@ -62,6 +62,30 @@ def test_many_rows_as_a_float32_gemm_on_the_exact_codes_within_a_float32_sums_ro
         assert not kernels.uses_float32_int8_gemm(x.requires_grad_(True), layer.codes)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_float32_inputs_of_more_rows_than_the_kernel_takes_run_as_a_float32_gemm_of_the_codes(monkeypatch, compile):
+    """A float32 prompt through int8 codes (more than ``max_rows(torch.int8)`` rows): a float32 GEMM on the exact
+    codes (kernels.float32_gemm: its bits, eager and compiled), never ``torch._weight_int8pack_mm``, whose float32
+    path took 30-57x as long; against float64 with the same codes, scales and bias within a float32 sum of I products
+    and the scale's and bias's two roundings, ``(I + 2) u32 (|x| |Q|^T |s| + |b|)``."""
+
+    def refuse(*args):
+        raise AssertionError("torch._weight_int8pack_mm called")
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", refuse)
+    g = torch.Generator().manual_seed(4)
+    layer = Int8Linear.from_weight(torch.randn(40, 96, generator=g), torch.randn(40, generator=g))
+    x = torch.randn(2, kernels.max_rows(torch.int8), 96, generator=g)  # 2x the rows the kernel takes
+    q, s, b = layer.codes.double(), layer.scale.double(), layer.bias.double()
+    exact = (x.double() @ q.T) * s + b
+    bound = 98 * 2.0**-24 * ((x.double().abs() @ q.abs().T) * s.abs() + b.abs())
+    run = torch.compile(layer, backend="inductor", fullgraph=True) if compile else layer
+    with torch.no_grad():
+        y = run(x)
+    assert y.dtype == torch.float32 and torch.equal(y, kernels.float32_gemm(x, layer.codes, layer.bias, layer.scale))
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [24, 32])  # bfloat16: 24 takes the dequantizing path, 32 the fused kernel
 @pytest.mark.parametrize("rows", [1, 20])  # 1: tformer's int8 kernel in the forward (kernels.max_rows), 20: not

@@ -21,7 +21,7 @@ in C++ on the calling thread, what the modules would have run as ~9 Python calls
 kernels (norms, RoPE, the cache write, SwiGLU, residual sums). ``kernels.h`` is what the three files share.
 
 When. :func:`linear` runs the kernel for bfloat16 or float32 CPU inputs of at most :func:`max_rows` rows (``x``
-flattened to ``(M, I)``; 4, or 16 for bfloat16 and int8 where bfloat16 GEMMs run as float32) without gradients.
+flattened to ``(M, I)``; 4, 16 for int8 codes and for bfloat16 where its GEMMs run as float32) without gradients.
 Float32 calls of more rows (prefill, an encoder's forward, evaluation) go to oneDNN's GEMM
 (``torch.ops.mkldnn._linear_pointwise``, PyTorch's own, as inductor calls it) when gradient-free, outside a graph
 being compiled, and of at least :data:`ONEDNN_MIN_MACS` multiply-adds (:func:`uses_onednn`): F.linear's float32
@@ -65,9 +65,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 4  # up to this many rows of x the kernel beats F.linear (benchmarks/gemv.py); beyond, F.linear
-# ... and this many for bfloat16 and int8 weights where bfloat16 GEMMs run as float32 (_FLOAT32_GEMM): F.linear's
-# routes there convert each weight (bfloat16) or widen each code (int8pack_mm) at every call; the kernel beat them
-WIDE_ROWS = 16  # at 8-16 rows, bfloat16 1.6-5.3x, int8 1.5-1.8x (SmolLM2's layers, Zen 3; BENCHMARKS.md)
+# ... and this many for int8 codes, and bfloat16 weights where bfloat16 GEMMs run as float32 (_FLOAT32_GEMM): the
+# kernel beat int8pack_mm at 8-16 rows (1.5-1.8x; 39-42x for float32 x) and the float32 route (1.8-5.3x), not AMX's
+WIDE_ROWS = 16  # bfloat16 GEMM (0.55-0.87x; SmolLM2's layers, Zen 3 and an Intel Xeon; BENCHMARKS.md)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.cpp", "attention.cpp", "block.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)  # not compiled on their own, but part of the build's hash
 _STATE: dict[str, object] = {"ready": None, "error": None}  # ready: None = not tried yet, then True or False
@@ -295,8 +295,8 @@ def float32_gemms(on: bool) -> contextlib.AbstractContextManager[None]:
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows of ``x`` the matrix-vector kernels take for weights (or :mod:`tformer.fused`, activations) of
-    ``dtype``: :data:`WIDE_ROWS` for bfloat16 and int8 where :func:`float32_gemms` is on, else :data:`MAX_ROWS`."""
-    return WIDE_ROWS if _FLOAT32_GEMM[0] and dtype in (torch.bfloat16, torch.int8) else MAX_ROWS
+    ``dtype``: :data:`WIDE_ROWS` for int8 codes, and for bfloat16 where :func:`float32_gemms` is on; else 4."""
+    return WIDE_ROWS if dtype == torch.int8 or (_FLOAT32_GEMM[0] and dtype == torch.bfloat16) else MAX_ROWS
 
 
 def _decode_call(x: Tensor, weight: Tensor, wants_grad: bool) -> bool:
@@ -436,9 +436,10 @@ def uses_float32_int8_gemm(x: Tensor, codes: Tensor) -> bool:
 def float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """``(x (..., I) @ weight (O, I)^T) * scale (O,) + bias (O,) -> (..., O)`` in ``x``'s dtype through float32:
     :func:`linear` of bfloat16 tensors (:func:`uses_float32_gemm`), or int8 codes and their ``scale``
-    (:func:`uses_float32_int8_gemm`). The weight converted :data:`FLOAT32_BLOCK_BYTES` at a time (exactly), MKL's
-    float32 ``mm``, the scale and bias in float32, one rounding. ``mm`` and not oneDNN, the bias apart: inductor runs
-    the same ops (``mm`` the same library call), so a compiled graph gives an eager call's bits."""
+    (:func:`uses_float32_int8_gemm`; float32 prompts, :mod:`tformer.quantization`). The weight converted
+    :data:`FLOAT32_BLOCK_BYTES` at a time (exactly), MKL's float32 ``mm``, the scale and bias in float32, one
+    rounding. ``mm`` and not oneDNN, the bias apart: inductor runs the same ops (``mm`` the same library call), so a
+    compiled graph gives an eager call's bits."""
     xf = x.reshape(-1, x.shape[-1]).float()  # (M, I)
     rows = max(1, FLOAT32_BLOCK_BYTES // (4 * weight.shape[1]))
     if rows >= weight.shape[0]:
