@@ -12,8 +12,9 @@ within 0-4% of a compiled one. One call for all blocks saves each block's dispat
 
 When (:func:`plan`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
 ``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2) and all have the same heads and RoPE
-layout, in eval mode; one new token per row, at most :func:`tformer.kernels.max_rows` rows (16 in bfloat16 where its
-GEMMs run as float32, else 4); bfloat16 or float32 on the CPU, with the weights in that dtype or int8
+layout, in eval mode; one new token per row, at most :func:`tformer.kernels.max_rows` rows of the activations' dtype
+(16 in bfloat16 where its GEMMs run as float32, else 4), or 16 where every projection has int8 codes; bfloat16 or
+float32 on the CPU, with the weights in that dtype or int8
 (:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.kernels.enabled`). The
 blocks are looked up once a generation, so the model must not change during one except in place (as for a compiled
 step's replay). The op rounds where the modules do (``block.cpp`` says where), so it is the same function: in
@@ -119,7 +120,7 @@ def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> StackArguments | Non
     """The blocks' arguments when :func:`step` runs this decode step of ``x (B, 1, C)`` into the static ``caches``
     of ``blocks`` (the module docstring's conditions), else ``None``. The blocks' structure is checked once a
     generation (eager; a compiled graph checks it when traced)."""
-    if not _ON[0] or x.shape[1] != 1 or x.shape[0] > kernels.max_rows(x.dtype) or x.device.type != "cpu":
+    if not _ON[0] or x.shape[1] != 1 or x.shape[0] > kernels.max_rows(torch.int8) or x.device.type != "cpu":
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or not kernels.uses_block_kernel():
         return None
@@ -133,13 +134,21 @@ def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> StackArguments | Non
     compiling = torch.compiler.is_compiling()
     known = None if compiling else _PLANS.get(first)
     if known is not None and known[0] == x.dtype:
-        return known[1]
+        return _rows_fit(known[1], x)
     plans = None
     if len(blocks) and all(fits(block) and _dtypes_fit(block, x.dtype) for block in blocks) and _alike(blocks):
         plans = arguments(blocks, x.dtype)
     if not compiling:
         _PLANS[first] = (x.dtype, plans)
-    return plans
+    return _rows_fit(plans, x)
+
+
+def _rows_fit(plans: StackArguments | None, x: Tensor) -> StackArguments | None:
+    """``plans`` where the kernels take ``x``'s rows: up to ``max_rows`` of its dtype, or of int8 where every
+    projection has int8 codes."""
+    if plans is None or x.shape[0] <= kernels.max_rows(x.dtype):
+        return plans
+    return plans if all(scale is not None for scale in plans.scales) else None
 
 
 def applies(blocks: nn.ModuleList, x: Tensor, caches: list) -> bool:

@@ -99,10 +99,10 @@ def test_int8_blocks_fuse_within_the_same_bounds(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_sixteen_bfloat16_rows_fuse_where_bfloat16_gemms_run_as_float32(monkeypatch, int8):
+def test_sixteen_bfloat16_rows_fuse_in_int8_and_where_bfloat16_gemms_run_as_float32(monkeypatch, int8):
     """max_rows(bfloat16) rows: WIDE_ROWS where bfloat16 GEMMs run as float32 (forced on here, so that any CPU checks
-    it), a left-padded batch of 16 fused within twice the modules' error against float64; with the route off, 16 rows
-    are past MAX_ROWS: the modules."""
+    it), a left-padded batch of 16 fused within twice the modules' error against float64; with the route off, 16
+    bfloat16 rows are past MAX_ROWS: the modules; but int8 codes take 16 rows on any CPU (max_rows(int8)): fused."""
     model = llama(num_kv_heads=2).bfloat16()
     model = quantize(model) if int8 else model
     lengths = tuple(3 + r % 7 for r in range(kernels.WIDE_ROWS))  # prompts of 3 to 9 tokens
@@ -114,8 +114,9 @@ def test_sixteen_bfloat16_rows_fuse_where_bfloat16_gemms_run_as_float32(monkeypa
     oracle = decode(copy.deepcopy(model).double(), False, lengths)[0]
     assert (on - oracle).abs().max() <= 2 * (off - oracle).abs().max()
     with kernels.float32_gemms(False):
-        decode(model, True, lengths)
-    assert len(calls) == 8
+        route_off = decode(model, True, lengths)[0]
+    assert len(calls) == (16 if int8 else 8)
+    assert (route_off - oracle).abs().max() <= 2 * (off - oracle).abs().max()
 
 
 def test_generation_over_the_fused_step_gives_the_modules_tokens(random_prompts):
