@@ -22,26 +22,28 @@ def package_dir(name: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def cpu_model() -> str:
+def _lscpu() -> dict[str, str]:
+    """``lscpu``'s fields, values stripped; empty where it cannot run."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        name = fields["Model name"].strip()
-        if "CPU family" in fields and "Model" in fields:  # "AMD EPYC" alone names several generations
-            name += f" (family {fields['CPU family'].strip()}, model {fields['Model'].strip()})"
-        return name
-    except (OSError, subprocess.CalledProcessError, KeyError):
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {key: value.strip() for key, value in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+
+
+def cpu_model() -> str:
+    fields = _lscpu()
+    if "Model name" not in fields:
         return platform.processor() or "unknown CPU"
+    name = fields["Model name"]
+    if "CPU family" in fields and "Model" in fields:  # "AMD EPYC" alone names several generations
+        name += f" (family {fields['CPU family']}, model {fields['Model']})"
+    return name
 
 
 def last_level_cache() -> str:
     """The CPU's L3 as ``lscpu`` gives it (e.g. "300 MiB (1 instance)"), or "unknown"."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return fields.get("L3 cache", "unknown").strip()
+    return _lscpu().get("L3 cache", "unknown")
 
 
 def best(run, repeats: int) -> float:

