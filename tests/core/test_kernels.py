@@ -89,7 +89,7 @@ def test_the_kernel_builds_on_this_machine():
     assert kernels.ready(), kernels.build_error()
     paths = kernels.paths()
     assert paths["bf16"] in {"avx512_bf16", "avx2", "portable"}
-    assert paths["int8"] in {"avx512", "avx2", "avx2_bits", "portable"}
+    assert paths["int8"] in {"avx512_vnni", "avx512", "avx2", "avx2_bits", "portable"}
     assert paths["f32"] in {"avx512", "avx2", "portable"}
 
 
@@ -157,6 +157,54 @@ def test_the_int8_kernel_keeps_its_bound_at_any_scale_of_x(scale):
     exact, bound = int8_bound(x, layer, code_offset(), U_F32)
     y = torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, None)
     assert torch.isfinite(y).all() and ((y.double() - exact).abs() <= bound).all()
+
+
+def exact_rounded_once(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``x Q^T`` for float32 rows ``x``, computed exactly and rounded once to float32: each row as integers ``X = x
+    2^s`` (``s`` from the lowest set bit of its values, so that ``X`` is exact in int64), ``X Q^T`` in int64, rounded
+    to float32 by the conversion, then times ``2^-s`` (exact in double)."""
+    mantissa, exponent = torch.frexp(x.double())  # x = m 2^e, |m| in [0.5, 1): m 2^24 an integer for a float32
+    m = (mantissa.abs() * 2**24).long()
+    nonzero = m != 0
+    lowest = torch.where(nonzero, exponent - 24 + torch.log2((m & -m).double()).long(), 1 << 20)  # its lowest set bit
+    shift = torch.where(nonzero.any(dim=1, keepdim=True), -lowest.min(dim=1, keepdim=True).values, 0)
+    big = (x.double() * torch.exp2(shift.double())).long()
+    return (((big @ codes.long().T).float().double()) * torch.exp2(-shift.double())).float()
+
+
+def test_the_int8_kernel_at_batch_1_sums_exactly_in_fixed_point_where_x_fits():
+    """With AVX512-VNNI (``paths()["int8"] == "avx512_vnni"``) one row of x whose values fit a few bytes of fixed
+    point after a shift is summed in integers: the dot product exactly, rounded once to float32, then times the
+    scale (one fused multiply-add: one more rounding), whatever the number of columns (a block of 64 and what is left
+    over), of rows (summed 16 at a time, then those left over: 300 rows are 9 groups and 6 on each of two threads)
+    and threads. The rows here span 2^0 to 2^30 of bfloat16 magnitudes (two to five bytes), and a row of zeros (one
+    byte: the scale times 0); a row spanning 2^45 does not fit and takes the widening loop, within its float32
+    bound."""
+    if kernels.paths()["int8"] != "avx512_vnni":
+        pytest.skip("the fixed-point loop is built where the CPU has AVX512-VNNI")
+    g = torch.Generator().manual_seed(11)
+    for i, o in [(576, 300), (1536, 70), (100, 9), (64, 5), (17, 3), (1, 2)]:
+        layer = Int8Linear.from_weight(torch.randn(o, i, generator=g))
+        for span in (0, 8, 16, 24, 30, None):
+            if span is None:
+                x = torch.zeros(1, i)
+            else:  # bfloat16 mantissas times 2^-e, e from 0 to span, the largest set (its exponent 0), signs mixed
+                e = torch.randint(0, span + 1, (1, i), generator=g)
+                e[0, 0] = 0
+                signs = torch.randn(1, i, generator=g).sign()
+                x = (signs * (1 + torch.rand(1, i, generator=g)) * torch.exp2(-e.float())).bfloat16().float()
+            want = (exact_rounded_once(x, layer.codes).double() * layer.scale.double()).float()
+            for dtype in (torch.float32, torch.bfloat16):
+                for threads in (1, 2):
+                    with num_threads(threads):
+                        y = torch.ops.tformer.gemv_int8(x.to(dtype), layer.codes, layer.scale, None)
+                    assert torch.equal(y, want.to(dtype)), (i, span, dtype, threads)
+    layer = Int8Linear.from_weight(torch.randn(40, 576, generator=g))
+    x = torch.randn(1, 576, generator=g).bfloat16().float()
+    x[0, :2] = torch.tensor([2.0**20, 2.0**-25])  # 2^45 apart, 8-bit mantissas: more than five bytes
+    exact, bound = int8_bound(x, layer, 0, U_F32)
+    y = torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, None)
+    assert ((y.double() - exact).abs() <= bound).all()
 
 
 def test_the_int8_kernel_widens_the_codes_where_their_bits_would_not_be_exact():
@@ -278,8 +326,11 @@ def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     half of the columns x is 1024 and each row of codes +-127 in equal numbers, in an order of its own: partial sums
     reach ~10^5, and the other half (random x, random codes) is rounded at their scale, so any other order of the
     float32 additions changes the float32 result (I = 17 and 16 are below the 32 columns the bits are read in)."""
-    if kernels.paths()["int8"] == "avx512":
-        pytest.skip("the AVX-512 int8 loop sums batch 1 in four chains and batches in two: other bits, same bound")
+    if kernels.paths()["int8"] in ("avx512", "avx512_vnni"):
+        pytest.skip(
+            "the AVX-512 int8 loops sum batch 1 in four chains (or exactly in fixed point, avx512_vnni) and "
+            "batches in two: other bits, same bound"
+        )
     x, w, b = case(kernels.WIDE_ROWS, i, o, seed=5)
     layer = Int8Linear.from_weight(w.float(), b.float())
     x = x.float()
