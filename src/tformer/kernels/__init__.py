@@ -261,9 +261,9 @@ def build_error() -> str | None:
 
 
 def paths() -> dict[str, str] | None:
-    """The code paths the build took on this CPU, e.g. ``{"bf16": "avx512_bf16", "int8": "avx512"}`` (``"avx2"``,
-    ``"avx2_bits"`` for int8 codes read as float32 bits on AMD CPUs, else ``"portable"``); ``None`` when not
-    built."""
+    """The code paths the build took on this CPU, e.g. ``{"bf16": "avx512_bf16", "int8": "avx512_vnni"}``
+    (``"avx512_vnni"``: one row of int8 codes summed in fixed point where x fits; ``"avx2"``, ``"avx2_bits"`` for int8
+    codes read as float32 bits on AMD CPUs, else ``"portable"``); ``None`` when not built."""
     if not ready():
         return None
     return dict(part.split("=") for part in torch.ops.tformer.gemv_paths().split())

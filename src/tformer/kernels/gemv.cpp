@@ -15,7 +15,8 @@
 //
 // The same streaming for weight-only int8 (tformer.quantize): y = (x Q^T) * s (+ b) with int8 codes Q (N, K) and one
 // float scale per row, x bfloat16 or float32: one byte per weight read, converted to float32 in registers (AVX-512:
-// 16 codes an instruction; AVX2: 8).
+// 16 codes an instruction; AVX2: 8), or with AVX512-VNNI at one row of x, not converted: x written in fixed point
+// and the codes summed in integers, exactly (fixed_row, rows_int8_fixed).
 //
 // And float32 (tformer.kernels.uses_kernel: decode steps, where F.linear's float32 GEMM is MKL's, which on some CPUs
 // streams a single row at a third of the bandwidth): 16 (AVX-512) or 8 (AVX2) lanes of FMA, several independent
