@@ -179,7 +179,7 @@ def test_the_int8_kernel_at_batch_1_sums_exactly_in_fixed_point_where_x_fits():
     over), of rows (summed 16 at a time, then those left over: 300 rows are 9 groups and 6 on each of two threads)
     and threads. The rows here span 2^0 to 2^30 of bfloat16 magnitudes (two to five bytes), and a row of zeros (one
     byte: the scale times 0); a row spanning 2^45 does not fit and takes the widening loop, within its float32
-    bound."""
+    bound, and so does a row of no columns."""
     if kernels.paths()["int8"] != "avx512_vnni":
         pytest.skip("the fixed-point loop is built where the CPU has AVX512-VNNI")
     g = torch.Generator().manual_seed(11)
@@ -205,6 +205,10 @@ def test_the_int8_kernel_at_batch_1_sums_exactly_in_fixed_point_where_x_fits():
     exact, bound = int8_bound(x, layer, 0, U_F32)
     y = torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, None)
     assert ((y.double() - exact).abs() <= bound).all()
+    bias = torch.randn(3, generator=g)  # no columns: each output its bias (sums of nothing), on either dtype
+    for dtype in (torch.float32, torch.bfloat16):
+        y = torch.ops.tformer.gemv_int8(torch.ones(1, 0, dtype=dtype), torch.ones(3, 0, dtype=torch.int8), bias, bias)
+        assert torch.equal(y, bias.to(dtype)[None])
 
 
 def test_the_int8_kernel_widens_the_codes_where_their_bits_would_not_be_exact():

@@ -468,7 +468,7 @@ struct FixedRow {
 // low byte read as signed: X = d + 256 X'.
 inline FixedRow fixed_row(const float* x, int64_t K) {
   FixedRow row;
-  if (K > kMaxFixedColumns) return row;
+  if (K == 0 || K > kMaxFixedColumns) return row;  // (no columns: the widening loop's sums of nothing)
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), mantissa = _mm512_set1_epi32(0x7FFFFF);
   __m512i top = _mm512_setzero_si512(), low = _mm512_set1_epi32(INT32_MAX);
   for (int64_t k = 0; k < K; k += 16) {
@@ -476,7 +476,8 @@ inline FixedRow fixed_row(const float* x, int64_t K) {
     const __m512i bits = _mm512_and_si512(_mm512_maskz_loadu_epi32(in, x + k), magnitude);
     top = _mm512_max_epu32(top, bits);
     const __m512i field = _mm512_srli_epi32(bits, 23), m = _mm512_and_si512(bits, mantissa);
-    const __m512i with_hidden = _mm512_mask_or_epi32(m, _mm512_test_epi32_mask(field, field), m, _mm512_set1_epi32(1 << 23));
+    const __m512i with_hidden =
+        _mm512_mask_or_epi32(m, _mm512_test_epi32_mask(field, field), m, _mm512_set1_epi32(1 << 23));
     const __m512i lowest = _mm512_and_si512(with_hidden, _mm512_sub_epi32(_mm512_setzero_si512(), with_hidden));
     const __m512i at = _mm512_sub_epi32(_mm512_max_epi32(field, _mm512_set1_epi32(1)), _mm512_lzcnt_epi32(lowest));
     low = _mm512_mask_min_epi32(low, _mm512_test_epi32_mask(with_hidden, with_hidden), low,
@@ -530,13 +531,15 @@ inline void fixed_chains(const FixedRow& row, const int8_t* qr, int64_t K, __m51
   for (; b + 2 <= full; b += 2) {
     const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(qr + b * 64), flip);
     const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(qr + b * 64 + 64), flip);
-    for (int j = 0; j < P; ++j) even[j] = _mm512_dpbusd_epi32(even[j], u, _mm512_loadu_si512(planes + (b * P + j) * 64));
-    for (int j = 0; j < P; ++j) odd[j] = _mm512_dpbusd_epi32(odd[j], v, _mm512_loadu_si512(planes + (b * P + P + j) * 64));
+    const int8_t* at = planes + b * P * 64;  // block b's planes, then block b + 1's
+    for (int j = 0; j < P; ++j) even[j] = _mm512_dpbusd_epi32(even[j], u, _mm512_loadu_si512(at + j * 64));
+    for (int j = 0; j < P; ++j) odd[j] = _mm512_dpbusd_epi32(odd[j], v, _mm512_loadu_si512(at + (P + j) * 64));
   }
   for (; b * 64 < K; ++b) {  // a last full block, then the codes past the end read as 0, times digits of 0
     const __mmask64 in = K - b * 64 >= 64 ? ~0ULL : (~0ULL) >> (64 - (K - b * 64));
     const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(in, qr + b * 64), flip);
-    for (int j = 0; j < P; ++j) even[j] = _mm512_dpbusd_epi32(even[j], u, _mm512_loadu_si512(planes + (b * P + j) * 64));
+    const int8_t* at = planes + b * P * 64;
+    for (int j = 0; j < P; ++j) even[j] = _mm512_dpbusd_epi32(even[j], u, _mm512_loadu_si512(at + j * 64));
   }
   for (int j = 0; j < P; ++j) out[j] = _mm512_add_epi32(even[j], odd[j]);
 }
@@ -560,10 +563,14 @@ float fixed_dot(const FixedRow& row, const int8_t* qr, int64_t K) {
 inline __m512i lane_sums16(const __m512i* v) {
   __m512i a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i) {
-    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    const __m512i& p = v[2 * i];
+    const __m512i& q = v[2 * i + 1];
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p, q), _mm512_unpackhi_epi32(p, q));
   }
   for (int i = 0; i < 4; ++i) {
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    const __m512i& p = a[2 * i];
+    const __m512i& q = a[2 * i + 1];
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q));
   }
   for (int i = 0; i < 2; ++i) {
     c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
