@@ -36,9 +36,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -58,7 +58,7 @@
 #endif
 #if defined(TFORMER_AVX512_INT8) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__AVX512CD__) && \
     !defined(TFORMER_INT8_WIDEN)
-#define TFORMER_AVX512_VNNI 1  // int8 codes against x in fixed point (fixed_dot)
+#define TFORMER_AVX512_VNNI 1  // int8 codes against x in fixed point (fixed_row, rows_int8_fixed)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
