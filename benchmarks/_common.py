@@ -88,7 +88,7 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step reads: every parameter once (tied tensors once: the head reads the embedding).
     Quantized (int8): the codes and scales of every layer, the norms, not the float embedding (its int8 copy is the
     head; a lookup reads one row)."""
-    from tformer.quantization import Int8Linear
+    from tformer.engine.quantization import Int8Linear
 
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     if int8:

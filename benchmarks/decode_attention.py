@@ -1,4 +1,4 @@
-"""tformer's attention kernel for decoding (tformer.kernels.attention) against PyTorch's CPU attention, per call.
+"""tformer's attention kernel for decoding (tformer.engine.kernels.attention) against PyTorch's CPU attention, per call.
 
 A decode step asks attention for one query row per head against the whole key/value cache, once per layer. The
 benchmark times one such call, best of ``--repeats`` (each the mean of many calls), at cache lengths S, for
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from _common import best, cpu_model
 
-from tformer import kernels
+from tformer.engine import kernels
 from tformer.attention.sdpa import sdpa_attention
 
 HEADS = {"SmolLM2-135M": (9, 3, 64), "demo": (4, 4, 32)}  # query heads, key/value heads, head size

@@ -7,13 +7,13 @@ side by side in one process, each over its own static cache at the same length, 
 (``--steps`` decode steps, ~0.1 s), each burst between two reads of the bandwidth (a ``sum`` over 1 GiB, ~20 ms):
 
 * ``compiled, fused blocks``: ``generate(..., compile=True)``'s step (each block one ``tformer::decode_block`` call),
-  on the weights as ``load_pretrained`` leaves them (one block of memory, :mod:`tformer.memory`), with the kernels'
-  default software prefetch (:func:`tformer.kernels.prefetch_rows`);
+  on the weights as ``load_pretrained`` leaves them (one block of memory, :mod:`tformer.engine.memory`), with the kernels'
+  default software prefetch (:func:`tformer.engine.kernels.prefetch_rows`);
 * ``... prefetch N rows``: the same step with the other prefetch setting (8 rows ahead where the default is none,
   none where it is 8 rows);
 * ``... weights unpacked``: the same step on a second copy of the model whose tensors are each their own allocation
-  (as loaded before :func:`tformer.memory.pack_weights`);
-* ``compiled, modules``: the same with :func:`tformer.fused.enabled` off (the modules' graph);
+  (as loaded before :func:`tformer.engine.memory.pack_weights`);
+* ``compiled, modules``: the same with :func:`tformer.engine.fused.enabled` off (the modules' graph);
 * ``eager static, fused blocks`` and ``eager static, modules``: ``static_cache=True`` without compiling;
 * ``products only``: the step's matrix-vector products alone (every block's four and the head, back to back on the
   same weights, ``tformer::gemv_bf16``): what the step would take if it did nothing but read its weights.
@@ -35,7 +35,8 @@ import time
 import torch
 from _common import GGUF, bytes_per_token, cpu_model, huge_pages_mb, package_dir
 
-from tformer import fused, kernels, load_pretrained, memory
+from tformer import load_pretrained
+from tformer.engine import fused, kernels, memory
 from tformer.generation.static import StaticLM
 
 

@@ -1,12 +1,12 @@
-"""The matrix-vector kernels (tformer.kernels) against F.linear, on the matrices of a SmolLM2-135M decode step.
+"""The matrix-vector kernels (tformer.engine.kernels) against F.linear, on the matrices of a SmolLM2-135M decode step.
 
 A decode step multiplies one row (or a few: a batch) by every weight matrix once. The benchmark holds SmolLM2-135M's
 121 matrices (30 layers of q|k|v, o and gate/up/down, and the 49152 x 576 head), random and distinct, so that they
 stream from memory as in a real step (135M parameters, far past the caches), and times one pass over all of them:
 
 * float32 ``F.linear`` (MKL) and the float32 kernel, bfloat16 ``F.linear`` (oneDNN where PyTorch has its bfloat16
-  GEMM, else a plain loop), the bfloat16 weights as float32 (``tformer.kernels.float32_gemm``: what those other CPUs
-  run past ``tformer.kernels.max_rows``) and the bfloat16 kernel; int8 codes (bfloat16 activations) on
+  GEMM, else a plain loop), the bfloat16 weights as float32 (``tformer.engine.kernels.float32_gemm``: what those other CPUs
+  run past ``tformer.engine.kernels.max_rows``) and the bfloat16 kernel; int8 codes (bfloat16 activations) on
   ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows, best of ``--repeats``, in one
   run, the order rotated every repeat;
 * the share of the read bandwidth (a ``sum`` over 1 GiB, measured in the same run) each reaches:
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from _common import bandwidth, cpu_model
 
-from tformer import kernels
-from tformer.quantization import Int8Linear
+from tformer.engine import kernels
+from tformer.engine.quantization import Int8Linear
 
 LAYER = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]  # qkv, o, gate|up, down: (O, I)
 HEAD = (49152, 576)

@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tformer import DecoderLM, TransformerConfig, generate
-from tformer.quantization import weight_bytes
+from tformer.engine.quantization import weight_bytes
 
 LLAMA = dict(position="rotary", norm="rms", ffn="gated", activation="silu", bias=False)
 

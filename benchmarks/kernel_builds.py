@@ -4,7 +4,7 @@ memory-bandwidth bound, one process per build, the builds alternated.
 The kernels are compiled on first use with ``-march=native``, and ``TFORMER_KERNEL_CFLAGS`` adds flags (each set of
 flags is its own cached build). The files read some of those flags as knobs for measuring a CPU:
 ``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: into which cache the matrix-vector loops prefetch the weights; how far ahead
-is a run-time setting, ``tformer.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` (bfloat16 weights),
+is a run-time setting, ``tformer.engine.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` (bfloat16 weights),
 ``TFORMER_PREFETCH_ROWS_F32`` and ``TFORMER_PREFETCH_ROWS_INT8`` set for a process),
 ``-DTFORMER_AVX2_STREAMS=S`` and ``-DTFORMER_AVX2_INT8_STREAMS=S`` (gemv.cpp: how many streams a thread's rows of
 a bfloat16 matrix, or of int8 codes, are read as at one row of ``x`` on AVX2; 4 by default),
@@ -41,7 +41,8 @@ CHILD = r"""
 import statistics, sys, time
 import torch
 from _common import GGUF, bandwidth, bytes_per_token, package_dir
-from tformer import kernels, load_pretrained, quantize
+from tformer import load_pretrained, quantize
+from tformer.engine import kernels
 from tformer.generation.static import StaticLM
 
 bursts, weights = int(sys.argv[1]), sys.argv[2]

@@ -14,7 +14,7 @@ same dtype, in one run, with the machine's memory bandwidth as the limit decodin
   (checked, float32).
 * **MiniLM embeddings**: 32 sentences of 128 tokens: ``tformer.embed`` vs ``transformers``' ``AutoModel`` with
   sentence-transformers' mean pooling written out (sentence-transformers itself is not installed), and tformer with
-  ``tformer.kernels`` off (its float32 GEMMs on ``F.linear``, i.e. MKL, instead of oneDNN).
+  ``tformer.engine.kernels`` off (its float32 GEMMs on ``F.linear``, i.e. MKL, instead of oneDNN).
 * **Load times**: ``load_pretrained`` (GGUF: first load, which dequantizes and caches, and a cached one) vs
   ``from_pretrained``.
 
@@ -33,14 +33,15 @@ import torch
 import torch.nn.functional as F
 from _common import GGUF, bandwidth, best, bytes_per_token, cpu_model, package_dir, paired_shares
 
-from tformer import embed, generate, kernels, load_pretrained, quantize
+from tformer import embed, generate, load_pretrained, quantize
+from tformer.engine import kernels
 
 
 def matmul_rate(model: torch.nn.Module, repeats: int) -> float:
     """tokens/s of a decode step's matrix-vector products alone: every layer's matrix (the head's too) times a
-    1-row input, through the layers as tformer calls them (bfloat16: ``tformer.kernels``' matrix-vector kernel). The
+    1-row input, through the layers as tformer calls them (bfloat16: ``tformer.engine.kernels``' matrix-vector kernel). The
     ceiling for an eager decoder on these kernels."""
-    from tformer.quantization import Int8Linear
+    from tformer.engine.quantization import Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
     if getattr(model, "head", None) is None:
@@ -144,7 +145,7 @@ def embedding_rates(minilm, minilm_dir: Path, repeats: int) -> tuple[float, floa
     def ours():
         return embed(minilm, texts)
 
-    def ours_f_linear():  # the same with tformer.kernels off: F.linear's (MKL's) GEMMs instead of oneDNN's
+    def ours_f_linear():  # the same with tformer.engine.kernels off: F.linear's (MKL's) GEMMs instead of oneDNN's
         with kernels.enabled(False):
             return embed(minilm, texts)
 
@@ -260,7 +261,7 @@ def main() -> None:
         print(f"\nMiniLM embeddings, 32 x 128 tokens, float32 (max |difference| {error:.1e}), best of {args.repeats}")
         print("| | sentences/s |\n|---|---:|")
         print(f"| tformer `embed` | {ours:.0f} |\n| transformers + mean pooling | {theirs:.0f} |")
-        print(f"| tformer `embed`, `tformer.kernels` off (F.linear) | {plain:.0f} |")
+        print(f"| tformer `embed`, `tformer.engine.kernels` off (F.linear) | {plain:.0f} |")
         print(f"| ratio | **{ours / theirs:.2f}x** (kernels off: {plain / theirs:.2f}x) |")
 
     if not args.skip_load:

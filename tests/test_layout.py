@@ -23,13 +23,10 @@ OVER_BUDGET = {
 LAYERS = {
     "config": 0,
     "functional": 0,
-    "kernels": 0,
-    "memory": 0,  # where a model's tensors live (one block, huge pages): torch only
     "attention": 1,
     "positions": 2,
     "layers": 2,
-    "quantization": 2,  # int8 layers: the kernels below, nothing of the models
-    "fused": 2,  # a block's decode step as one kernel call: the layers and quantization beside it
+    "engine": 0,
     "models": 3,
     "generation": 4,
     "training": 5,

@@ -79,8 +79,8 @@ _EXPORTS = {
     "embed": "tformer.interop",
     "load_pretrained": "tformer.interop",
     "save_pretrained": "tformer.interop",
-    "quantize": "tformer.quantization",
-    "pack_weights": "tformer.memory",
+    "quantize": "tformer.engine.quantization",
+    "pack_weights": "tformer.engine.memory",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -108,9 +108,9 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq
     from tformer.interop import InteropError, Pretrained, embed, load_pretrained, save_pretrained
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
-    from tformer.memory import pack_weights
+    from tformer.engine.memory import pack_weights
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
-    from tformer.quantization import quantize
+    from tformer.engine.quantization import quantize
     from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from tformer.training.config import TrainConfig, TrainResult
     from tformer.training.runtime import TrainingError

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer import attention, kernels
+from tformer import attention
+from tformer.engine import kernels
 from tformer.config import TransformerConfig
 from tformer.positions import RotaryEmbedding
 
@@ -117,7 +118,7 @@ class LayerCache:
 # --------------------------------------------------------------------------------------------------
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict keys) whose bfloat16 CPU inference at a few rows, a decode
-    step, runs tformer's matrix-vector kernel (:func:`tformer.kernels.linear`); everything else is ``F.linear``."""
+    step, runs tformer's matrix-vector kernel (:func:`tformer.engine.kernels.linear`); everything else is ``F.linear``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return kernels.linear(x, self.weight, self.bias)

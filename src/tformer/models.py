@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from tformer import fused, kernels
+from tformer.engine import fused, kernels
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
 from tformer.layers import BlockStack, LayerCache, Linear, Pooler, StaticKVCache, init_weights, make_norm

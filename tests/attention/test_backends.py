@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer import attention, kernels
+from tformer import attention
+from tformer.engine import kernels
 from tformer import functional as tf
 from tformer.attention import scaled_dot_product_attention
 from tformer.attention.sdpa import CPU_BF16_FLOAT32_MAX_KEYS

@@ -156,7 +156,7 @@ def test_an_internal_error_is_a_500_and_the_server_goes_on(lm_client, monkeypatc
 
 
 def test_cli_quantize_int8_serves_the_quantized_model(lm_checkpoint, monkeypatch, capsys):
-    from tformer.quantization import Int8Linear
+    from tformer.engine.quantization import Int8Linear
 
     served = []
     monkeypatch.setattr(ExploreServer, "server_close", lambda self: served.append(self.explorer))

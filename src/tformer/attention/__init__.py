@@ -20,8 +20,8 @@ triton      :func:`tformer.attention.triton.triton_attention`: the same as Trito
 fastest exact backend measured (BENCHMARKS.md, "Attention": tiled forward+backward 1.04-1.06x its time on one thread,
 1.08-1.21x on two); on CUDA it runs FlashAttention-2, memory-efficient or cuDNN kernels, and Triton is not chosen until
 it has been measured against them on a GPU. On the CPU, ``sdpa`` hands decode calls (at most
-``tformer.kernels.MAX_ROWS`` query rows, no gradient, a boolean mask) to tformer's attention kernel,
-:func:`tformer.kernels.attention` (the rules are :mod:`tformer.attention.sdpa`'s).
+``tformer.engine.kernels.MAX_ROWS`` query rows, no gradient, a boolean mask) to tformer's attention kernel,
+:func:`tformer.engine.kernels.attention` (the rules are :mod:`tformer.attention.sdpa`'s).
 
 :func:`scaled_dot_product_attention` checks its arguments and dispatches; :func:`attend` dispatches without the
 checks, for callers whose tensors are right by construction (:class:`tformer.layers.MultiHeadAttention`).

@@ -2,9 +2,9 @@
 
 Three rules make PyTorch's function fit the library's convention and its CPU measurements:
 
-* decoding on the CPU: a few query rows (at most ``tformer.kernels.MAX_ROWS``), float32 or bfloat16, a boolean mask
+* decoding on the CPU: a few query rows (at most ``tformer.engine.kernels.MAX_ROWS``), float32 or bfloat16, a boolean mask
   or none, no dropout and no gradient (a decode step) run on tformer's attention kernel
-  (:func:`tformer.kernels.attention`): PyTorch's CPU flash kernel has a fixed cost of ~40 us a call, made for long
+  (:func:`tformer.engine.kernels.attention`): PyTorch's CPU flash kernel has a fixed cost of ~40 us a call, made for long
   queries, that was most of a decode step's attention (BENCHMARKS.md "Attention kernel for CPU decoding").
 * ``attn_mask`` together with ``is_causal``: PyTorch refuses the pair; both are merged into one mask instead.
 * half precision on the CPU: PyTorch's CPU kernel is faster on half-precision inputs cast to float32 in the cases of
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tformer import kernels
+from tformer.engine import kernels
 from tformer.functional import merge_masks
 
 # Longest key sequence for which bfloat16 attention on the CPU runs faster in float32 (see below).

@@ -58,7 +58,7 @@ def add_device_flags(p, *, quantize: bool = False) -> None:
 def apply_quantize(model: Any, scheme: str | None) -> None:
     """``--quantize``: quantize ``model`` in place when a scheme was asked for."""
     if scheme:
-        from tformer.quantization import quantize
+        from tformer.engine.quantization import quantize
 
         quantize(model, scheme)
 
@@ -85,7 +85,7 @@ def load_model(path: str, kind: str, device: str, command: str, dtype: str | Non
     """The model at ``path`` (a tformer run or checkpoint, a Hugging Face directory or a ``.gguf`` file) on
     ``device``, in ``dtype`` (``None``: as saved); it must be a ``kind`` model and have a tokenizer."""
     from tformer.interop import is_pretrained
-    from tformer.memory import pack_weights
+    from tformer.engine.memory import pack_weights
     from tformer.training.runtime import resolve_device
 
     if not is_pretrained(path):

@@ -37,7 +37,7 @@ import time
 import torch
 from torch import Tensor
 
-from tformer import fused, kernels
+from tformer.engine import fused, kernels
 from tformer.generation.sampling import context_window
 from tformer.models import DecoderLM
 
@@ -123,7 +123,7 @@ def auto_compile(model: DecoderLM, length: int | None = None) -> bool:
     kernel): compiling SmolLM2-135M's decode took ~150 s from cold in bfloat16 for 14.9 ms/token saved (36.0 ->
     21.1, eager on tformer's kernels against compiled), ~110 s in int8 for 18.2 ms/token (31.1 -> 12.9): it pays off
     after 6,000-10,000 tokens, more than a sampling command makes. Since a Llama-style block's step is one kernel call
-    (:mod:`tformer.fused`), an eager step over a static cache (:func:`auto_static_cache`) is within 0-4% of a compiled
+    (:mod:`tformer.engine.fused`), an eager step over a static cache (:func:`auto_static_cache`) is within 0-4% of a compiled
     one (AMD EPYC Zen 5, ``benchmarks/decode_step.py``): the compile saves even less. ``--compile on`` compiles on the
     CPU when asked. The dtype stays as saved: bfloat16 is not exact (on that CPU it decodes faster than float32, 27.8
     against 19.3 tok/s, but it is a different function), and int8 is lossy: both only when asked.
@@ -165,7 +165,7 @@ def check_fits_static_cache(model: DecoderLM, prompt: int, max_new_tokens: int) 
 
 def auto_static_cache(model: DecoderLM, length: int | None = None) -> bool:
     """The rule ``tformer sample`` follows when it does not compile: decode over a static cache when every block of
-    ``model`` runs a decode step as one kernel call there (:mod:`tformer.fused`: CPU, Llama-style blocks, the kernels
+    ``model`` runs a decode step as one kernel call there (:mod:`tformer.engine.fused`: CPU, Llama-style blocks, the kernels
     built) and the generation's ``length`` (prompt + new tokens; ``None``: not known) fits the model's trained
     context (``max_seq_len``) and the model computes in float32 or bfloat16 (the kernel's dtypes; float16 is not
     one), else over the default, growing cache. A static cache is allocated for the whole

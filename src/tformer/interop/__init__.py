@@ -30,7 +30,7 @@ from tformer.interop.gpt2 import GPT2
 from tformer.interop.keys import InteropError
 from tformer.interop.llama import Llama, Mistral, Qwen2
 from tformer.interop.marian import Marian
-from tformer.memory import pack_weights
+from tformer.engine.memory import pack_weights
 from tformer.models import DecoderLM, Encoder, EncoderDecoder, pad_right
 from tformer.training import finetune
 from tformer.training.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer
@@ -93,7 +93,7 @@ def load_pretrained(
 ) -> Pretrained:
     """Load a Hugging Face model directory or a ``.gguf`` file; ``dtype=None`` keeps the file's dtype (a GGUF file's
     quantized tensors are dequantized to float32). On the CPU the weights end in one block of memory
-    (:func:`tformer.memory.pack_weights`). ``InteropError`` (a ``ValueError``) names the file or the field for
+    (:func:`tformer.engine.memory.pack_weights`). ``InteropError`` (a ``ValueError``) names the file or the field for
     anything missing, truncated, unexpected or unsupported."""
     dtype = _as_dtype(dtype)
     if device is not None and not isinstance(device, torch.device):
@@ -219,7 +219,7 @@ def save_pretrained(
     ``tokenizer_config.json``, its special tokens). The special ids are ``generation``'s (pass
     ``pretrained.generation`` to keep a model's several end-of-sequence ids), else the tokenizer's.
     ``InteropError`` names the config field when the model fits no family; nothing is written then."""
-    from tformer.quantization import is_quantized
+    from tformer.engine.quantization import is_quantized
     from tformer.training.checkpoint import unwrap
 
     if isinstance(model, Pretrained):

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
 from tformer.models import DecoderLM, EncoderDecoder
-from tformer.quantization import is_quantized
+from tformer.engine.quantization import is_quantized
 from tformer.training.tokenizers import TOKENIZER_FILE, Tokenizer, tokenizer_from_dict
 
 Kind = Literal["lm", "seq2seq"]

@@ -1,4 +1,4 @@
-"""Weights in one block of memory (``tformer.memory.pack_weights``): every tensor keeps its identity, values and
+"""Weights in one block of memory (``tformer.engine.memory.pack_weights``): every tensor keeps its identity, values and
 flags, lands in module order in one mapping (2 MB-aligned start, 64-byte-aligned tensors) with a storage of its own,
 tied tensors once, views left as views; the model computes and trains as before; loading and quantizing pack."""
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, save
 
 from tformer import DecoderLM, TransformerConfig, quantize
-from tformer.memory import ALIGN, HUGE_PAGE, is_packed, pack_weights
+from tformer.engine.memory import ALIGN, HUGE_PAGE, is_packed, pack_weights
 
 
 def tensors_of(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@
 // 16 codes an instruction; AVX2: 8), or with AVX512-VNNI at one row of x, not converted: x written in fixed point
 // and the codes summed in integers, exactly (fixed_row, rows_int8_fixed).
 //
-// And float32 (tformer.kernels.uses_kernel: decode steps, where F.linear's float32 GEMM is MKL's, which on some CPUs
+// And float32 (tformer.engine.kernels.uses_kernel: decode steps, where F.linear's float32 GEMM is MKL's, which on some CPUs
 // streams a single row at a third of the bandwidth): 16 (AVX-512) or 8 (AVX2) lanes of FMA, several independent
 // chains per row.
 //
@@ -79,9 +79,9 @@ constexpr int kRowsPerPass = 4;      // rows of x sharing one read of W (one acc
 // The software prefetch: each thread requests the row `prefetch_rows` rows ahead of the one it reads (0: none, the
 // hardware's prefetchers alone), into the cache __builtin_prefetch's locality names (TFORMER_PREFETCH_HINT; 1: L2,
 // prefetcht2; 3: L1, prefetcht0; a compile-time knob, TFORMER_KERNEL_CFLAGS="-DTFORMER_PREFETCH_HINT=3"). The distance
-// is set at run time, one for each kind of weights: bfloat16, float32, int8 codes (tformer.kernels.prefetch_rows, which
+// is set at run time, one for each kind of weights: bfloat16, float32, int8 codes (tformer.engine.kernels.prefetch_rows, which
 // picks them per CPU), so that one process can compare settings burst by burst (benchmarks/decode_step.py). What was
-// measured, compiled SmolLM2 steps in paired bursts, the weights in one huge-page-backed block (tformer.memory): on AMD
+// measured, compiled SmolLM2 steps in paired bursts, the weights in one huge-page-backed block (tformer.engine.memory): on AMD
 // CPUs only the AVX-512 int8 loop, which widens each code and reads one row at a time, needs the prefetch (AVX2's, four
 // streams at batch 1, read at 0.737 of its bound without and 0.655 with 8 rows ahead on a Zen 3). On an AMD EPYC Zen 4
 // (dpbf16) a bfloat16 step took 0.85-0.92 of the time without a software prefetch as with 8 rows ahead into L2
@@ -862,7 +862,7 @@ void rows_int8(const float* xf, [[maybe_unused]] const CodeBitsRows& bits, const
 // a row of a batch and the same row alone give the same bits, whatever S. Measured on an AMD EPYC Zen 3, compiled
 // SmolLM2 int8 steps (medians of five alternated processes, benchmarks/kernel_builds.py): widened codes one row at a
 // time with 8 rows of prefetch 0.613 and 0.640 of the bound, four streams without prefetch 0.684 and 0.737, with it
-// 0.655 (so no prefetch on AVX2 for AMD CPUs: tformer.kernels.prefetch_rows); four streams of the codes' bits 0.719
+// 0.655 (so no prefetch on AVX2 for AMD CPUs: tformer.engine.kernels.prefetch_rows); four streams of the codes' bits 0.719
 // and 0.694 against 0.661 and 0.635 widened (two more runs): the widening capped a Zen 3 core at ~15 G codes/s even
 // from L3, the bits run at 21-26 (BENCHMARKS.md). On the bits' path each stream's rows are finished 8 at a time
 // (bits_sums8: their horizontal sums and scaling share the transposes; 0.679 of the bound against 0.648 row by row,

@@ -4,9 +4,9 @@ Each linear layer's weight ``W (out, in)`` becomes int8 codes ``Q`` and one floa
 ``s_o = max_i |W_oi| / 127``, ``Q_oi = round(W_oi / s_o)``: so ``|W_oi - s_o Q_oi| <= s_o / 2``. Activations stay in
 the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` reads one byte per weight instead of two or
 four: decoding at batch 1 reads every weight once per token, so it is bound by those bytes. On the CPU a decode step
-(at most :func:`tformer.kernels.max_rows` rows, 16) runs on tformer's int8 matrix-vector kernel, longer bfloat16
+(at most :func:`tformer.engine.kernels.max_rows` rows, 16) runs on tformer's int8 matrix-vector kernel, longer bfloat16
 inputs (prefill) on PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``), float32 ones as a float32
-GEMM on the exact codes (:func:`tformer.kernels.float32_gemm`: torch's fused kernel took 30-57x as long for float32
+GEMM on the exact codes (:func:`tformer.engine.kernels.float32_gemm`: torch's fused kernel took 30-57x as long for float32
 inputs, a scalar loop; BENCHMARKS.md); elsewhere the codes are dequantized per call.
 
 A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer import kernels
-from tformer.memory import pack_weights
+from tformer.engine import kernels
+from tformer.engine.memory import pack_weights
 
 Scheme = Literal["int8"]
 
@@ -116,7 +116,7 @@ class Int8Linear(nn.Module):
 def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, and a tied output head by an
     int8 copy of the embedding; returns ``model`` in eval mode, its CPU tensors in one block of memory
-    (:func:`tformer.memory.pack_weights`). Embeddings and norms keep their dtype. A model without a linear layer, or a
+    (:func:`tformer.engine.memory.pack_weights`). Embeddings and norms keep their dtype. A model without a linear layer, or a
     bare ``nn.Linear`` (it is replaced in its parent), is an error."""
     if not isinstance(model, nn.Module):
         pretrained = " (a Pretrained: quantize its .model)" if hasattr(model, "model") else ""
@@ -128,7 +128,7 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     if isinstance(model, nn.Linear):  # replaced in its parent, so a layer alone cannot be
         raise TypeError(
             "quantize replaces the nn.Linear layers inside a model; for one layer use "
-            "tformer.quantization.Int8Linear.from_weight(layer.weight, layer.bias)"
+            "tformer.engine.quantization.Int8Linear.from_weight(layer.weight, layer.bias)"
         )
     if not any(isinstance(m, nn.Linear) for m in model.modules()):
         raise ValueError(f"this {type(model).__name__} has no nn.Linear layer to quantize")

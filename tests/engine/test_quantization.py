@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from tformer import DecoderLM, EncoderDecoder, TransformerConfig, generate, greedy_seq2seq, kernels, quantize
-from tformer.quantization import Int8Linear, weight_bytes
+from tformer import DecoderLM, EncoderDecoder, TransformerConfig, generate, greedy_seq2seq, quantize
+from tformer.engine import kernels
+from tformer.engine.quantization import Int8Linear, weight_bytes
 
 
 def test_codes_are_within_half_a_step_of_the_weights():

@@ -16,7 +16,7 @@ bandwidth on an Intel Xeon, 15-35% on an AMD EPYC (Zen 5), where ``gemv.cpp``'s 
 at 1-4 rows, 1.2-1.4x faster at the demo model's 64-256 KB matrices (BENCHMARKS.md "On AMD EPYC (Zen 5)").
 
 And whole blocks. ``block.cpp`` runs a decode step of a stack of Llama-style blocks as one op,
-``tformer::decode_blocks`` (:mod:`tformer.fused` calls it): the products and the attention above, and between them,
+``tformer::decode_blocks`` (:mod:`tformer.engine.fused` calls it): the products and the attention above, and between them,
 in C++ on the calling thread, what the modules would have run as ~9 Python calls a block or, compiled, ~4 inductor
 kernels (norms, RoPE, the cache write, SwiGLU, residual sums). ``kernels.h`` is what the three files share.
 
@@ -230,7 +230,7 @@ def prefetch_rows(rows: int | None = None, *, weights: str = "bfloat16") -> int:
     the call (0 when the kernels are not built).
 
     The defaults (:func:`default_prefetch_rows`) follow what was measured on weights packed by
-    :func:`tformer.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; the figures in gemv.cpp's
+    :func:`tformer.engine.memory.pack_weights` (compiled SmolLM2-135M steps in paired bursts; the figures in gemv.cpp's
     ``prefetch_rows`` and BENCHMARKS.md): a loop that widens each code one row at a time needs the prefetch (AVX-512
     int8), the others do not on AMD CPUs (Zen 3 and 4: 0.85-0.92 of the time without it); on an Intel Xeon no
     prefetch was 10-20% slower (bfloat16). A setting of the process, read by every call
@@ -294,7 +294,7 @@ def float32_gemms(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows of ``x`` the matrix-vector kernels take for weights (or :mod:`tformer.fused`, activations) of
+    """The most rows of ``x`` the matrix-vector kernels take for weights (or :mod:`tformer.engine.fused`, activations) of
     ``dtype``: :data:`WIDE_ROWS` for int8 codes, and for bfloat16 where :func:`float32_gemms` is on; else 4."""
     return WIDE_ROWS if dtype == torch.int8 or (_FLOAT32_GEMM[0] and dtype == torch.bfloat16) else MAX_ROWS
 
@@ -325,8 +325,8 @@ def uses_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 
 def uses_block_kernel() -> bool:
-    """Whether ``tformer::decode_blocks`` (a decode step of whole blocks, :mod:`tformer.fused`) may run: the kernels
-    turned on and built (the tensors are :func:`tformer.fused.applies`' to check)."""
+    """Whether ``tformer::decode_blocks`` (a decode step of whole blocks, :mod:`tformer.engine.fused`) may run: the kernels
+    turned on and built (the tensors are :func:`tformer.engine.fused.applies`' to check)."""
     return _ON[0] and ready()
 
 
@@ -436,7 +436,7 @@ def uses_float32_int8_gemm(x: Tensor, codes: Tensor) -> bool:
 def float32_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """``(x (..., I) @ weight (O, I)^T) * scale (O,) + bias (O,) -> (..., O)`` in ``x``'s dtype through float32:
     :func:`linear` of bfloat16 tensors (:func:`uses_float32_gemm`), or int8 codes and their ``scale``
-    (:func:`uses_float32_int8_gemm`; float32 prompts, :mod:`tformer.quantization`). The weight converted
+    (:func:`uses_float32_int8_gemm`; float32 prompts, :mod:`tformer.engine.quantization`). The weight converted
     :data:`FLOAT32_BLOCK_BYTES` at a time (exactly), MKL's float32 ``mm``, the scale and bias in float32, one
     rounding. ``mm`` and not oneDNN, the bias apart: inductor runs the same ops (``mm`` the same library call), so a
     compiled graph gives an eager call's bits."""

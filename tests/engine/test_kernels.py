@@ -1,4 +1,4 @@
-"""tformer's CPU decode kernels (``tformer.kernels``): they build; the matrix-vector kernels compute ``x W^T + b``
+"""tformer's CPU decode kernels (``tformer.engine.kernels``): they build; the matrix-vector kernels compute ``x W^T + b``
 within the rounding bound of one rounding of a float32 sum (checked against float64) and the attention kernel
 errs against float64 no more than PyTorch's own attention at the same precision; each takes exactly the calls it is
 meant for, keeps autograd and ``torch.compile`` working, and everything falls back to PyTorch with a warning when
@@ -20,11 +20,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer import DecoderLM, TransformerConfig, kernels
+from tformer import DecoderLM, TransformerConfig
+from tformer.engine import kernels
 from tformer.attention import scaled_dot_product_attention
 from tformer.attention.sdpa import sdpa_attention
 from tformer.layers import Linear
-from tformer.quantization import Int8Linear
+from tformer.engine.quantization import Int8Linear
 
 U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
 U_F32 = 2.0**-24
@@ -815,7 +816,7 @@ CHILD = textwrap.dedent(
     """
     import json, warnings, torch
     import torch.nn.functional as F
-    from tformer import kernels
+    from tformer.engine import kernels
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ready = kernels.ready()
@@ -830,7 +831,7 @@ CHILD = textwrap.dedent(
         bound = 2.0**-8 * s.abs() + (k + 1) * 2.0**-24 * (1 + 2.0**-8) * (x.double().abs() @ w.double().abs().T)
         within &= bool(((y.double() - s).abs() <= bound).all())
         if ready:  # the int8 form of the same build, against float64 of its dequantized matrix
-            from tformer.quantization import Int8Linear
+            from tformer.engine.quantization import Int8Linear
             layer = Int8Linear.from_weight(w)
             yq = torch.ops.tformer.gemv_int8(x, layer.codes, layer.scale, None)
             xd, qd, sd = x.double(), layer.codes.double(), layer.scale.double()
@@ -862,7 +863,8 @@ CHILD = textwrap.dedent(
         attention_within = bool(error <= 2 * (plain.double() - exact).abs().max() + 4 * 2.0**-24 * exact.abs().max())
     fused_within = None
     if ready:  # a Llama-style block's decode step as one op (float32): the modules' logits, up to addition order
-        from tformer import DecoderLM, TransformerConfig, fused
+        from tformer import DecoderLM, TransformerConfig
+        from tformer.engine import fused
         from tformer.generation.static import StaticLM
         torch.manual_seed(0)
         cfg = TransformerConfig.tiny(position="rotary", norm="rms", ffn="gated", activation="silu", num_kv_heads=2)
@@ -931,7 +933,7 @@ def test_a_bad_prefetch_variable_warns_and_keeps_the_kernels():
     script = textwrap.dedent(
         """
         import json, warnings
-        from tformer import kernels
+        from tformer.engine import kernels
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ready = kernels.ready()

@@ -1,4 +1,4 @@
-"""A decode step of Llama-style blocks as one kernel call (``tformer.fused``, ``tformer::decode_blocks``): it computes
+"""A decode step of Llama-style blocks as one kernel call (``tformer.engine.fused``, ``tformer::decode_blocks``): it computes
 what the modules compute (float32: up to the order of float32 additions; bfloat16 and int8: erring against a float64
 oracle no more than twice what the modules' path errs), writes the same cache, runs exactly where it should, and
 compiles into a graph of one call for all blocks."""
@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from tformer import DecoderLM, TransformerConfig, fused, generate, kernels, quantize
+from tformer import DecoderLM, TransformerConfig, generate, quantize
+from tformer.engine import fused, kernels
 from tformer.generation.static import StaticLM
 from tformer.models import pad_left
 

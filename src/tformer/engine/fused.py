@@ -12,10 +12,10 @@ within 0-4% of a compiled one. One call for all blocks saves each block's dispat
 
 When (:func:`plan`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
 ``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2) and all have the same heads and RoPE
-layout, in eval mode; one new token per row, at most :func:`tformer.kernels.max_rows` rows of the activations' dtype
+layout, in eval mode; one new token per row, at most :func:`tformer.engine.kernels.max_rows` rows of the activations' dtype
 (16 in bfloat16 where its GEMMs run as float32, else 4), or 16 where every projection has int8 codes; bfloat16 or
 float32 on the CPU, with the weights in that dtype or int8
-(:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.kernels.enabled`). The
+(:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.engine.kernels.enabled`). The
 blocks are looked up once a generation, so the model must not change during one except in place (as for a compiled
 step's replay). The op rounds where the modules do (``block.cpp`` says where), so it is the same function: in
 float32 up to the order of float32 additions, in bfloat16 within a few roundings (the tests bound both).
@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer import attention, kernels
+from tformer import attention
+from tformer.engine import kernels
 from tformer.layers import GatedFeedForward, Linear, StaticKVCache, TransformerBlock
-from tformer.quantization import Int8Linear
+from tformer.engine.quantization import Int8Linear
 
 _ON = [True]
 
