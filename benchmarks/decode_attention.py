@@ -6,9 +6,10 @@ benchmark times one such call, best of ``--repeats`` (each the mean of many call
 * SmolLM2-135M's heads (9 query heads, 3 key/value heads, head size 64) in bfloat16 and float32;
 * the demo model's (4 heads of 32) in float32;
 
-through tformer's ``sdpa`` backend with the kernel on and off (off: PyTorch's fused CPU kernel, bfloat16 cast to
-float32 up to 256 keys by the rule of ``tformer.attention.sdpa``), and PyTorch's ``F.scaled_dot_product_attention``
-on the inputs as they are. A boolean mask hides the last tenth of the keys (a static cache's unwritten columns).
+through the engine's ``kernel`` attention backend (``tformer.engine.apply.kernel_attention``) with the kernel on
+and off (off: PyTorch's fused CPU kernel, bfloat16 cast to float32 up to 256 keys by the rule of
+``tformer.attention.cpu_attention_in_float32``), and PyTorch's ``F.scaled_dot_product_attention`` on the inputs as
+they are. A boolean mask hides the last tenth of the keys (a static cache's unwritten columns).
 
 A second table times a static cache an eighth written: the kernel over S columns of which the first S / 8 are
 visible, against the kernel over those S / 8 keys alone (it skips the keys after a row's last visible one, so the
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from _common import best, cpu_model
 
 from tformer.engine import kernels
-from tformer.attention.sdpa import sdpa_attention
+from tformer.engine.apply import kernel_attention
 
 HEADS = {"SmolLM2-135M": (9, 3, 64), "demo": (4, 4, 32)}  # query heads, key/value heads, head size
 
@@ -64,9 +65,9 @@ def main() -> None:
             q = torch.randn(1, H, 1, D).to(dtype)
             k, v = torch.randn(1, Hkv, S, D).to(dtype), torch.randn(1, Hkv, S, D).to(dtype)
             mask = (torch.arange(S) < S - S // 10).view(1, 1, 1, S)
-            ours = per_call(partial(sdpa_attention, q, k, v, mask), args.repeats)
+            ours = per_call(partial(kernel_attention, q, k, v, mask), args.repeats)
             with kernels.enabled(False):
-                theirs = per_call(partial(sdpa_attention, q, k, v, mask), args.repeats)
+                theirs = per_call(partial(kernel_attention, q, k, v, mask), args.repeats)
             pytorch = partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, enable_gqa=True)
             raw = per_call(pytorch, args.repeats)
             print(

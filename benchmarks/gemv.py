@@ -5,14 +5,16 @@ A decode step multiplies one row (or a few: a batch) by every weight matrix once
 stream from memory as in a real step (135M parameters, far past the caches), and times one pass over all of them:
 
 * float32 ``F.linear`` (MKL) and the float32 kernel, bfloat16 ``F.linear`` (oneDNN where PyTorch has its bfloat16
-  GEMM, else a plain loop), the bfloat16 weights as float32 (``tformer.engine.kernels.float32_gemm``: what those other CPUs
-  run past ``tformer.engine.kernels.max_rows``) and the bfloat16 kernel; int8 codes (bfloat16 activations) on
+  GEMM, else a plain loop), the bfloat16 weights as float32 (``tformer.engine.kernels.float32_gemm``: what those
+  other CPUs run past ``tformer.engine.kernels.max_rows``) and the bfloat16 kernel; int8 codes (bfloat16 activations) on
   ``torch._weight_int8pack_mm`` and on the int8 kernel; at M = 1, 2, 4, 8, 16 rows, best of ``--repeats``, in one
   run, the order rotated every repeat;
 * the share of the read bandwidth (a ``sum`` over 1 GiB, measured in the same run) each reaches:
   weight bytes / time / bandwidth.
 
 Run:  python benchmarks/gemv.py
+(``--library PATH`` times a kernel library built elsewhere, e.g. from an earlier commit's sources, in place of this
+checkout's: runs of each, in turns, compare two versions of the kernels on one machine.)
 """
 
 from __future__ import annotations
@@ -50,11 +52,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="passes over all matrices, order rotated; best kept")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows M of the input to time")
+    parser.add_argument(
+        "--library",
+        help="a built kernel library (.so) to time instead of this checkout's (its prefetch set to this checkout's "
+        "defaults)",
+    )
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    if not kernels.ready():
+    if args.library:
+        torch.ops.load_library(args.library)
+        for index, kind in enumerate(kernels.WEIGHT_KINDS):
+            torch.ops.tformer.gemv_prefetch(kernels.default_prefetch_rows(kind), index)
+        paths = f"{torch.ops.tformer.gemv_paths()} from {args.library}"
+    elif not kernels.ready():
         raise SystemExit(f"the kernel did not build: {kernels.build_error()}")
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, kernels {kernels.paths()}")
+    else:
+        paths = kernels.paths()
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, kernels {paths}")
     torch.manual_seed(0)
     f32 = [torch.randn(*shape) for _ in range(30) for shape in LAYER] + [torch.randn(*HEAD)]
     bf16 = [w.bfloat16() for w in f32]

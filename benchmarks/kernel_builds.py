@@ -2,16 +2,9 @@
 memory-bandwidth bound, one process per build, the builds alternated.
 
 The kernels are compiled on first use with ``-march=native``, and ``TFORMER_KERNEL_CFLAGS`` adds flags (each set of
-flags is its own cached build). The files read some of those flags as knobs for measuring a CPU:
-``-DTFORMER_PREFETCH_HINT=L`` (gemv.cpp: into which cache the matrix-vector loops prefetch the weights; how far ahead
-is a run-time setting, ``tformer.engine.kernels.prefetch_rows``, that ``TFORMER_PREFETCH_ROWS`` (bfloat16 weights),
-``TFORMER_PREFETCH_ROWS_F32`` and ``TFORMER_PREFETCH_ROWS_INT8`` set for a process),
-``-DTFORMER_AVX2_STREAMS=S`` and ``-DTFORMER_AVX2_INT8_STREAMS=S`` (gemv.cpp: how many streams a thread's rows of
-a bfloat16 matrix, or of int8 codes, are read as at one row of ``x`` on AVX2; 4 by default),
-``-DTFORMER_AVX2_INT8_WIDEN`` (gemv.cpp: the AVX2 int8 loops widen every code on AMD CPUs too, in place of reading
-the codes' bits as float32), and
-``-DTFORMER_ATEN_PARALLEL_FOR`` (kernels.h: at::parallel_for instead of a plain OpenMP region). Which setting is
-fastest is a fact about one CPU; this script is how the defaults were chosen.
+flags is its own cached build): ``-mno-avx512f`` measures the AVX2 loops on an AVX-512 CPU, ``-mno-avx2`` the
+portable ones, ``-mno-avx512bf16`` the AVX2 bfloat16 loop beside the AVX-512 int8 ones, ``-mno-avx512vnni`` the
+widening int8 loop in place of the fixed-point one.
 
 Each process loads the model, compiles a static-cache step (``generate(..., compile=True)``'s), and runs ``--bursts``
 bursts of 8 steps, each between two readings of the read bandwidth (a ``sum`` over 1 GiB); it reports the median over
@@ -19,10 +12,10 @@ bursts of ``bytes per token / step time / bandwidth`` (the share of the bound). 
 times, so the host's drift falls on all of them alike; the table gives each build's median over rounds and its
 per-round shares.
 
-Run:  python benchmarks/kernel_builds.py -- "" "-DTFORMER_PREFETCH_HINT=3" "-DTFORMER_ATEN_PARALLEL_FOR"
+Run:  python benchmarks/kernel_builds.py -- "" "-mno-avx512f"
 (after ``--``, one argument a build; the empty string is the default build; the first build of each set of flags
 takes ~1 minute). A word ``NAME=value`` in a build's argument is an environment variable of its processes instead
-of a flag, e.g. ``"-DTFORMER_AVX2_ONE_STREAM TFORMER_PREFETCH_ROWS=8"``: a build with a run-time setting of its own.
+of a flag, e.g. ``"TFORMER_KERNELS=0"``: PyTorch's own ops in the same table.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""tformer's CPU decode kernels (``tformer.engine.kernels``): they build; the matrix-vector kernels compute ``x W^T + b``
-within the rounding bound of one rounding of a float32 sum (checked against float64) and the attention kernel
-errs against float64 no more than PyTorch's own attention at the same precision; each takes exactly the calls it is
-meant for, keeps autograd and ``torch.compile`` working, and everything falls back to PyTorch with a warning when
-the build fails."""
+"""tformer's CPU decode kernels (``tformer.engine.kernels``): they build; the matrix-vector kernels compute
+``x W^T + b`` within the rounding bound of one rounding of a float32 sum (checked against float64) and the attention
+kernel errs against float64 no more than PyTorch's own attention at the same precision; each takes exactly the calls
+it is meant for, keeps autograd and ``torch.compile`` working, and everything falls back to PyTorch with a warning
+when the build fails; without a C++ compiler the tests skip, saying so."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import os
 import platform
@@ -21,10 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from tformer import DecoderLM, TransformerConfig
+from tformer.attention import scaled_dot_product_attention, sdpa_attention
 from tformer.engine import kernels
-from tformer.attention import scaled_dot_product_attention
-from tformer.attention.sdpa import sdpa_attention
-from tformer.layers import Linear
+from tformer.engine.apply import KernelLinear, accelerate, kernel_attention
 from tformer.engine.quantization import Int8Linear
 
 U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
@@ -34,11 +34,7 @@ SHAPES = [(1, 576, 576), (1, 1536, 77), (2, 100, 5), (3, 33, 64), (4, 8, 3), (4,
 SPLIT = (1, 576, 1001)  # rows of W split over two threads in blocks of 501 and 500 (kernels.h, parallel_blocks)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def built() -> None:
-    """Many tests here call the ops directly: build them first, so that a test run on its own (``-k``) does not
-    depend on an earlier one having built them."""
-    assert kernels.ready(), kernels.build_error()
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernels_built")]
 
 
 @contextlib.contextmanager
@@ -95,11 +91,34 @@ def test_the_kernel_builds_on_this_machine():
 
 
 def test_the_build_notice_is_for_a_build_not_for_loading_a_built_library(tmp_path, monkeypatch):
-    """ready() says "building ... 20-30 s" at a terminal only when _built is False: the library this process
-    loaded is built; a name never built (in an empty extensions folder) is not."""
-    assert kernels._built(kernels.build_name(kernels._cflags()))
+    """ready() says "building ... 20-30 s" only when is_built is False: the library this process loaded is built; a
+    name never built (in an empty extensions folder) is not."""
+    build = kernels.build
+    assert build.is_built(build.build_name(build.cflags()))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert not kernels._built(kernels.build_name(kernels._cflags()))
+    assert not build.is_built(build.build_name(build.cflags()))
+
+
+def test_a_build_says_so_on_stderr_when_stderr_is_not_a_terminal(tmp_path):
+    """A build starts with a line on stderr whatever stderr is (here a pipe): a silent 20-30 s looks like a hang."""
+    out = subprocess.run(
+        [sys.executable, "-c", "from tformer.engine import kernels; kernels.ready()"],
+        env={**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tformer: building the decode kernels for this CPU (once, about 20-30 s) ..." in out.stderr
+
+
+def test_the_kernels_command_builds_and_prints_the_paths():
+    """``tformer kernels`` (the library is built already: it only loads it) prints one ``kind: path`` line each."""
+    from tformer.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["kernels"]) == 0
+    assert printed.getvalue().splitlines() == [f"{kind}: {path}" for kind, path in kernels.paths().items()]
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
@@ -351,27 +370,16 @@ def test_an_int8_row_of_a_batch_gets_the_bits_of_the_row_alone(i, o):
     assert ((alone.double() - exact).abs() <= bound).all()
 
 
-def test_the_prefetch_default_follows_the_cpu_and_the_environment(monkeypatch):
-    def defaults():
+def test_the_prefetch_default_follows_the_cpus_features(monkeypatch):
+    """8 rows ahead for int8 codes on AVX-512 and for every kind on CPUs with AMX; none elsewhere."""
+
+    def defaults(*flags: str) -> tuple[int, ...]:
+        monkeypatch.setattr(kernels.build, "cpu_flags", lambda: {"fpu", "avx2", "fma", *flags})
         return tuple(kernels.default_prefetch_rows(kind) for kind in kernels.WEIGHT_KINDS)  # bfloat16, float32, int8
 
-    monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "3")
-    monkeypatch.setenv("TFORMER_PREFETCH_ROWS_F32", "5")
-    monkeypatch.setenv("TFORMER_PREFETCH_ROWS_INT8", "0")
-    assert defaults() == (3, 5, 0)
-    for name in ("TFORMER_PREFETCH_ROWS_INT8", "TFORMER_PREFETCH_ROWS_F32"):
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("TFORMER_PREFETCH_ROWS", "many")
-    with pytest.raises(ValueError, match="TFORMER_PREFETCH_ROWS='many'"):
-        kernels.default_prefetch_rows()
-    monkeypatch.delenv("TFORMER_PREFETCH_ROWS")
-    monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: AuthenticAMD")
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma avx512f avx512bw avx512_bf16")  # Zen 4, 5
-    assert defaults() == (0, 0, 8)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags\t: fpu avx2 fma")  # Zen 3: four streams of codes too
-    assert defaults() == (0, 0, 0)
-    monkeypatch.setattr(kernels, "_cpu_vendor", lambda: "vendor_id\t: GenuineIntel")
-    assert defaults() == (8, 8, 8)
+    assert defaults("avx512f", "avx512bw", "avx512_bf16") == (0, 0, 8)
+    assert defaults() == (0, 0, 0)  # AVX2: four streams of codes too
+    assert defaults("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16") == (8, 8, 8)
     with pytest.raises(ValueError, match="weights='float16'"):
         kernels.default_prefetch_rows("float16")
 
@@ -448,7 +456,7 @@ def test_large_gradient_free_float32_gemms_go_to_onednn_within_a_float32_sums_ro
     """Rows past MAX_ROWS with at least ONEDNN_MIN_MACS multiply-adds: oneDNN's GEMM, which errs against float64 by
     no more than a float32 sum of I products may, ``(I + 1) u32 (|x| |w|^T + |b|)``; smaller ones, gradients, other
     dtypes, non-contiguous inputs or the kernels turned off: F.linear itself."""
-    if not kernels._onednn_available():
+    if not kernels.routes._onednn_available():
         pytest.skip("this PyTorch has no oneDNN")
     g = torch.Generator().manual_seed(4)
     x, w, b = torch.randn(2, 64, 384, generator=g), torch.randn(1152, 384, generator=g), torch.randn(1152, generator=g)
@@ -541,7 +549,7 @@ def test_a_compiled_graph_keeps_f_linear_where_eager_calls_onednn():
 
     torch._dynamo.reset()
     with torch.no_grad():
-        assert kernels.uses_onednn(x, w) or not kernels._onednn_available()
+        assert kernels.uses_onednn(x, w) or not kernels.routes._onednn_available()
         y = torch.compile(kernels.linear, backend=record, fullgraph=True)(x, w)
     assert F.linear in targets and not any("mkldnn" in str(target) for target in targets)
     assert torch.equal(y, F.linear(x, w))
@@ -549,7 +557,7 @@ def test_a_compiled_graph_keeps_f_linear_where_eager_calls_onednn():
 
 def test_the_layer_keeps_nn_linear_parameters_and_gradients():
     torch.manual_seed(0)
-    layer, plain = Linear(24, 10).bfloat16(), torch.nn.Linear(24, 10).bfloat16()
+    layer, plain = KernelLinear(24, 10).bfloat16(), torch.nn.Linear(24, 10).bfloat16()
     plain.load_state_dict(layer.state_dict())
     assert isinstance(layer, torch.nn.Linear) and layer.state_dict().keys() == plain.state_dict().keys()
     x = torch.randn(3, 24).bfloat16()
@@ -562,7 +570,7 @@ def bf16_lm() -> tuple[DecoderLM, DecoderLM]:
     torch.manual_seed(0)
     cfg = TransformerConfig.tiny(position="rotary", num_kv_heads=2, norm="rms", ffn="gated", activation="silu")
     model = DecoderLM(cfg).eval()
-    return copy.deepcopy(model).bfloat16(), model.double()
+    return accelerate(copy.deepcopy(model).bfloat16()), model.double()  # the kernels applied (tformer.engine.apply)
 
 
 def test_a_bfloat16_decode_step_through_the_kernel_errs_no_more_than_through_f_linear():
@@ -765,8 +773,8 @@ def test_attention_routes_only_gradient_free_cpu_calls_of_few_query_rows_with_bo
     with torch.no_grad():
         assert kernels.uses_attention_kernel(q, k, v, mask) and kernels.uses_attention_kernel(q, k, v, None)
         assert kernels.uses_attention_kernel(q, k, v, mask[0, 0])  # broadcastable masks of fewer dimensions
-        assert torch.equal(sdpa_attention(q, k, v, mask), kernels.attention(q, k, v, mask, False, None))
-        assert torch.equal(sdpa_attention(q, k, v, mask[0, 0]), kernels.attention(q, k, v, mask, False, None))
+        assert torch.equal(kernel_attention(q, k, v, mask), kernels.attention(q, k, v, mask, False, None))
+        assert torch.equal(kernel_attention(q, k, v, mask[0, 0]), kernels.attention(q, k, v, mask, False, None))
         longer = torch.cat([q, q[:, :, :1]], dim=2)
         assert not kernels.uses_attention_kernel(longer, k, v, None)  # one query row more: PyTorch's kernel
         assert not kernels.uses_attention_kernel(q, k, v, torch.zeros(mask.shape))  # additive masks: PyTorch's
@@ -925,28 +933,6 @@ def test_a_failed_build_warns_once_and_falls_back_to_f_linear(tmp_path):
     assert not result["ready"] and result["paths"] is None and result["is_f_linear"]
     assert len(result["warnings"]) == 1 and "did not build" in result["warnings"][0]
     assert "TFORMER_KERNELS=0" in result["warnings"][0]
-
-
-def test_a_bad_prefetch_variable_warns_and_keeps_the_kernels():
-    """A mistyped tuning variable is named in a warning and the rule's distance used; the kernels stay on (it had
-    turned them all off, as a failed build)."""
-    script = textwrap.dedent(
-        """
-        import json, warnings
-        from tformer.engine import kernels
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ready = kernels.ready()
-        rows, rule = kernels.prefetch_rows(weights="float32"), kernels._rule_prefetch_rows("float32")
-        print(json.dumps({"ready": ready, "warnings": [str(c.message) for c in caught], "rows": rows, "rule": rule}))
-        """
-    )
-    result = child(script, TFORMER_PREFETCH_ROWS_F32="-2")
-    assert result["ready"] and result["rows"] == result["rule"]
-    assert result["warnings"] == [
-        f"tformer: TFORMER_PREFETCH_ROWS_F32='-2': need a number of rows from 0 (no software prefetch) to 1024; "
-        f"the kernels prefetch {result['rule']} rows ahead instead"
-    ]
 
 
 def test_tformer_kernels_0_builds_nothing(tmp_path):

@@ -1,27 +1,25 @@
 // tformer's attention kernel for decoding on the CPU: softmax(Q K^T * scale + mask) V for a few query rows.
 //
 // A decode step asks attention for one query row per head against the whole cache. That is little arithmetic
-// (H * S * (D + Dv) multiply-adds: ~0.4M for SmolLM2 at 320 keys), but PyTorch's CPU flash kernel spends ~40 us a
-// call on set-up and blocking made for long queries, and on bfloat16 inputs it is slower still; 30 layers of it
-// were a sixth of a compiled SmolLM2 token. Here one task is one (batch, key/value head, query row) and the query
+// (H * S * (D + Dv) multiply-adds), where PyTorch's CPU flash kernel spends most of a call on set-up and blocking
+// made for long queries (BENCHMARKS.md). Here one task is one (batch, key/value head, query row) and the query
 // heads that read that key/value head (grouped-query attention; up to kMaxGroup at once, when they share a mask):
 //   1. s_j = (q . k_j) * scale for every key j the mask lets it see (float32 sums of exact float32 products); each
 //      key row is read and widened once for all the task's heads;
 //   2. p_j = exp(s_j - max_j s_j), the max-subtracted softmax numerators (masked keys: exactly 0);
 //   3. out = (sum_j p_j v_j) / (sum_j p_j), float32 throughout, one rounding to the output dtype; each value row is
-//      read and widened once for all the task's heads (SmolLM2: 3 query heads a key/value head).
+//      read and widened once for all the task's heads.
 // Keys after a row's last visible one are skipped (a static cache's unwritten columns). A row that may see no key
 // returns zeros (the library's convention). Grouped-query heads read key/value head h / (H / Hkv). Where there are
 // few tasks (a decode step at batch 1), each row's keys are cut into pieces whose sums are merged afterwards (see
 // kSplitRows). Tasks run on torch's OpenMP pool (tformer_kernels::parallel_blocks), inline when the problem is small.
 //
-// On AVX-512 the loops are intrinsics (16 float32 lanes; dpbf16 for bfloat16 dot products where the CPU has it; four
-// keys' sums reduced together), on AVX2 + FMA the same with 8 lanes; elsewhere plain C++ that the compiler
-// vectorizes (`omp simd` reductions). exp is a polynomial (kernels.h: range reduction by ln 2, degree 6 on [-ln2/2,
-// ln2/2]; relative error at most 8.4e-8 over [-87, 0], measured against double's exp: 1.4 units of float32
-// roundoff), so step 2 runs 16 or 8 lanes at a time.
+// The loops are written once over simd.h's vector words (16 float32 lanes on AVX-512, 8 on AVX2 + FMA; dpbf16 for
+// bfloat16 dot products where the CPU has it; four keys' sums reduced together); elsewhere plain C++ that the
+// compiler vectorizes (`omp simd` reductions). exp is a polynomial (simd.h: range reduction by ln 2, degree 6 on
+// [-ln2/2, ln2/2]; relative error at most 8.4e-8 over [-87, 0]), so step 2 runs on vectors too.
 //
-// Built with gemv.cpp by tformer/kernels/__init__.py; the op is tformer::decode_attention.
+// Built with gemv.cpp by tformer/engine/kernels/build.py; the op is tformer::decode_attention.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,233 +49,96 @@ using tformer_kernels::exp_nonpositive;
 
 constexpr float kMasked = -std::numeric_limits<float>::infinity();  // a masked key's score
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define TFORMER_AVX512_ATTENTION 1
-#include <immintrin.h>
-
-// 16 values (a masked tail of `count` < 16 reads zeros past it) as float32 lanes.
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const bf16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bfloat16 = top half of float32
-}
-inline __mmask16 lanes(int64_t count) { return count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1u); }
-
-using tformer_kernels::exp16;
-#endif
-
-#ifdef TFORMER_AVX512_ATTENTION
-constexpr int kBlock = 8;  // value columns summed at once for one head: 8 vectors of 16 float32 accumulators
+#if defined(TFORMER_SIMD)
+using L = tformer_kernels::simd::Wide;  // simd.h's vector words: 16 float32 lanes on AVX-512, 8 on AVX2
+using Lanes = L::V;
+constexpr int kLanes = L::kWidth;
+constexpr int kBlock = 8;  // value columns summed at once for one head: 8 vectors of float32 accumulators
+#if defined(TFORMER_AVX512)
 // ... and for each of G > 1 heads sharing the values: G x 4 accumulators, 4 values and a weight in 32 registers
 constexpr int group_block(int) { return 4; }
-
-// acc[g][0 .. width) = sum_j p[g][j] v[j, 0 .. width) for G heads that share the value rows (grouped-query
-// attention) and NV = ceil(width / 16) vectors: each value row is loaded and widened once for the G heads, and the
-// G * NV sums stay in registers (a masked store read back by the next key's load cannot be forwarded, and stalls).
-// A key whose weight is 0 for every head is skipped, so a masked key's value is never read.
-template <int G, int NV, typename T>
-void weighted_sum(const float* const* p, const T* v, int64_t row_stride, int64_t keys, int64_t width,
-                  float* const* acc) {
-  __m512 sum[G][NV];
-  __mmask16 m[NV];
-  for (int c = 0; c < NV; ++c) {
-    m[c] = lanes(width - 16 * c);
-    for (int g = 0; g < G; ++g) sum[g][c] = _mm512_setzero_ps();
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    bool any = false;
-    for (int g = 0; g < G; ++g) any |= p[g][j] != 0.0f;
-    if (!any) continue;
-    const T* vj = v + j * row_stride;
-    __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = load16(vj + 16 * c, m[c]);
-    for (int g = 0; g < G; ++g) {
-      const __m512 pj = _mm512_set1_ps(p[g][j]);
-      for (int c = 0; c < NV; ++c) sum[g][c] = _mm512_fmadd_ps(pj, vv[c], sum[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc[g] + 16 * c, m[c], sum[g][c]);
-  }
-}
-
-// q . k over D values, float32 sums of exact products: bfloat16 pairs by dpbf16 where the CPU has it (no
-// conversions), else both widened to float32 (qf is q in float32).
-inline __m512 partial_dot(const float* q, const float* qf, const float* k, int64_t D) {
-  (void)q;
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = lanes(D - d);
-    sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + d), _mm512_maskz_loadu_ps(m, k + d), sum);
-  }
-  return sum;
-}
-
-inline __m512 partial_dot(const bf16* q, const float* qf, const bf16* k, int64_t D) {
-#ifdef __AVX512BF16__
-  (void)qf;
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 32) {
-    const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (D - d)) - 1u);
-    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_maskz_loadu_epi16(m, q + d), (__m512bh)_mm512_maskz_loadu_epi16(m, k + d));
-  }
-#else
-  (void)q;
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = lanes(D - d);
-    sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + d), load16(k + d, m), sum);
-  }
-#endif
-  return sum;
-}
-
-// The four horizontal sums of a, b, c, d as one vector (a reduction tree shared by the four: a third of the shuffles
-// of four separate reductions).
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d / lane
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-// Step 2 on 16 lanes at a time from scores[0]: p = exp(s - best), masked keys (-inf) exactly 0; returns their sum and
-// leaves j at the first key not done.
-inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
-  __m512 totals = _mm512_setzero_ps();
-  const __m512 top = _mm512_set1_ps(best), masked = _mm512_set1_ps(kMasked);
-  for (; j + 16 <= keys; j += 16) {
-    const __m512 s = _mm512_loadu_ps(scores + j);
-    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, masked, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, top)));
-    _mm512_storeu_ps(scores + j, p);
-    totals = _mm512_add_ps(totals, p);
-  }
-  return _mm512_reduce_add_ps(totals);
-}
-constexpr int kLanes = 16;
-using Lanes = __m512;
-inline __m512 load_lanes(const float* p, int64_t count) { return load16(p, lanes(count)); }
-inline __m512 load_lanes(const bf16* p, int64_t count) { return load16(p, lanes(count)); }
-inline __m512 fma_lanes(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 constexpr int kDotHeads = 4;  // query rows whose sums with four keys stay in registers (4 x 4 of 32 registers)
-#ifdef __AVX512BF16__
+#else
+// ... as many as G x NV accumulators, NV values and a weight leave room for in 16 registers: 4 for 2 heads, 3 for 3,
+// 2 for 4
+constexpr int group_block(int G) { return G <= 2 ? 4 : G == 3 ? 3 : 2; }
+constexpr int kDotHeads = 3;  // query rows whose sums with four keys stay in registers (12 of 16, a key, a query)
+#endif
+#if defined(TFORMER_AVX512_BF16)
 constexpr bool kPairedBf16 = true;  // bfloat16 q . k by dpbf16, no widening to share
 #else
 constexpr bool kPairedBf16 = false;
 #endif
-#endif
 
-#if !defined(TFORMER_AVX512_ATTENTION) && defined(__AVX2__) && defined(__FMA__)
-#define TFORMER_AVX2_ATTENTION 1
-#include <immintrin.h>
-// The same loops on AVX2 + FMA: 8 float32 lanes, tails by maskload/maskstore (bfloat16 tails through a zeroed copy).
-constexpr int kLanes = 8;
-constexpr int kBlock = 8;  // value columns summed at once for one head: 8 vectors of 8 float32 accumulators
-// ... and for each of G > 1 heads sharing the values, as many as G x NV accumulators, NV values and a weight leave
-// room for in 16 registers: 4 for 2 heads, 3 for 3 (SmolLM2's 64 columns in 3 passes over the keys, not 4), 2 for 4
-constexpr int group_block(int G) { return G <= 2 ? 4 : G == 3 ? 3 : 2; }
-
-inline __m256i lane_mask(int64_t count) {  // all-ones in the first min(count, 8) lanes
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-inline __m256 load8(const float* p, int64_t count) {
-  return count >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(count));
-}
-inline __m256 load8(const bf16* p, int64_t count) {
-  __m128i raw;
-  if (count >= 8) {
-    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  } else {
-    alignas(16) uint16_t part[8] = {};
-    std::memcpy(part, p, static_cast<size_t>(count) * sizeof(bf16));
-    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
-  }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  // bfloat16 = top half of float32
-}
-
-using tformer_kernels::exp8;
-
+// acc[g][0 .. width) = sum_j p[g][j] v[j, 0 .. width) for G heads that share the value rows (grouped-query
+// attention) and NV = ceil(width / kLanes) vectors: each value row is loaded and widened once for the G heads, and
+// the G * NV sums stay in registers (a masked store read back by the next key's load cannot be forwarded, and
+// stalls). A key whose weight is 0 for every head is skipped, so a masked key's value is never read.
 template <int G, int NV, typename T>
 void weighted_sum(const float* const* p, const T* v, int64_t row_stride, int64_t keys, int64_t width,
                   float* const* acc) {
-  __m256 sum[G][NV];
+  Lanes sum[G][NV];
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < NV; ++c) sum[g][c] = _mm256_setzero_ps();
+    for (int c = 0; c < NV; ++c) sum[g][c] = L::zero();
   }
   for (int64_t j = 0; j < keys; ++j) {
     bool any = false;
     for (int g = 0; g < G; ++g) any |= p[g][j] != 0.0f;
     if (!any) continue;
     const T* vj = v + j * row_stride;
-    __m256 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = load8(vj + 8 * c, width - 8 * c);
+    Lanes vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = L::load_part(vj + kLanes * c, width - kLanes * c);
     for (int g = 0; g < G; ++g) {
-      const __m256 pj = _mm256_set1_ps(p[g][j]);
-      for (int c = 0; c < NV; ++c) sum[g][c] = _mm256_fmadd_ps(pj, vv[c], sum[g][c]);
+      const Lanes pj = L::set1(p[g][j]);
+      for (int c = 0; c < NV; ++c) sum[g][c] = L::fmadd(pj, vv[c], sum[g][c]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < NV; ++c) {
-      if (width - 8 * c >= 8) {
-        _mm256_storeu_ps(acc[g] + 8 * c, sum[g][c]);
-      } else {
-        _mm256_maskstore_ps(acc[g] + 8 * c, lane_mask(width - 8 * c), sum[g][c]);
-      }
-    }
+    for (int c = 0; c < NV; ++c) L::store_part(acc[g] + kLanes * c, width - kLanes * c, sum[g][c]);
   }
 }
 
+// q . k over D values as a vector of partial sums, float32 sums of exact products: both widened to float32 (qf is q
+// in float32), or bfloat16 pairs by dpbf16 where the CPU has it (no conversions).
 template <typename T>
-inline __m256 partial_dot(const T* q, const float* qf, const T* k, int64_t D) {
-  (void)q;
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) sum = _mm256_fmadd_ps(load8(qf + d, D - d), load8(k + d, D - d), sum);
+inline Lanes partial_dot(const T*, const float* qf, const T* k, int64_t D) {
+  Lanes sum = L::zero();
+  for (int64_t d = 0; d < D; d += kLanes) {
+    sum = L::fmadd(L::load_part(qf + d, D - d), L::load_part(k + d, D - d), sum);
+  }
   return sum;
 }
-
-inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d, per 128-bit half
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-using Lanes = __m256;
-inline __m256 load_lanes(const float* p, int64_t count) { return load8(p, count); }
-inline __m256 load_lanes(const bf16* p, int64_t count) { return load8(p, count); }
-inline __m256 fma_lanes(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
-constexpr int kDotHeads = 3;  // query rows whose sums with four keys stay in registers (12 of 16, a key, a query)
-constexpr bool kPairedBf16 = false;
-
-inline float hsum(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
-  __m256 totals = _mm256_setzero_ps();
-  const __m256 top = _mm256_set1_ps(best), masked = _mm256_set1_ps(kMasked);
-  for (; j + 8 <= keys; j += 8) {
-    const __m256 s = _mm256_loadu_ps(scores + j);
-    const __m256 p = _mm256_and_ps(_mm256_cmp_ps(s, masked, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(s, top)));
-    _mm256_storeu_ps(scores + j, p);
-    totals = _mm256_add_ps(totals, p);
+#if defined(TFORMER_AVX512_BF16)
+inline __m512 partial_dot(const bf16* q, const float*, const bf16* k, int64_t D) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __mmask32 m = D - d >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (D - d)) - 1u);
+    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_maskz_loadu_epi16(m, q + d),
+                           (__m512bh)_mm512_maskz_loadu_epi16(m, k + d));
   }
-  return hsum(totals);
+  return sum;
 }
 #endif
 
-#if defined(TFORMER_AVX512_ATTENTION) || defined(TFORMER_AVX2_ATTENTION)
-#define TFORMER_SIMD_ATTENTION 1
+// Step 2 on kLanes lanes at a time from scores[j]: p = exp(s - best), masked keys (-inf) exactly 0; returns their sum
+// and leaves j at the first key not done.
+inline float numerators(float* scores, int64_t keys, float best, int64_t& j) {
+  Lanes totals = L::zero();
+  const Lanes top = L::set1(best), masked = L::set1(kMasked);
+  for (; j + kLanes <= keys; j += kLanes) {
+    const Lanes s = L::load(scores + j);
+    const Lanes p = L::zero_where_equal(s, masked, tformer_kernels::simd::exp_lanes<L>(L::sub(s, top)));
+    L::store(scores + j, p);
+    totals = L::add(totals, p);
+  }
+  return L::sum(totals);
+}
 #endif
 
 constexpr int kMaxGroup = 4;  // query heads that share one pass over their key/value head's values
 // In a decode step the cache comes from memory: the weights streamed since the layer's last step evicted it. The
-// keys are requested this many rows ahead of the scores' loop, the values all at once before it: a step of SmolLM2
-// (bfloat16, compiled, 130-370 keys) took 2.5-8.6% less time (medians of three runs, AMD EPYC Zen 5).
+// keys are requested this many rows ahead of the scores' loop, the values all at once before it, so that they arrive
+// while the loops work (BENCHMARKS.md).
 constexpr int64_t kPrefetchKeys = 16;
 
 // Software prefetch of `rows` rows of `width` values, `stride` elements apart (locality 3: into L1, 2: into L2).
@@ -295,31 +156,31 @@ inline void prefetch_rows(const T* first, int64_t stride, int64_t rows, int64_t 
   }
 }
 
-#ifdef TFORMER_SIMD_ATTENTION
+#ifdef TFORMER_SIMD
 // The dot products of G query rows with four key rows (kj, kj + k_stride, ...; D values each) as G vectors of four
-// sums: each key's D values are loaded and widened once for the G rows (grouped-query attention: SmolLM2's 3 query
-// heads a key/value head read each key once, not three times). qf: the query rows in float32. For each (row, key)
-// the float32 operations and their order are partial_dot's and reduce4's, so the sums are the same bits. Where
+// sums: each key's D values are loaded and widened once for the G rows (grouped-query attention: the query heads
+// of a key/value head read each key once, not once each). qf: the query rows in float32. For each (row, key)
+// the float32 operations and their order are partial_dot's and L::sum4's, so the sums are the same bits. Where
 // bfloat16 pairs multiply natively (dpbf16) nothing is widened, and each row takes partial_dot.
 template <int G, typename T>
 inline void dots4(const T* const* q, const float* const* qf, const T* kj, int64_t k_stride, int64_t D, __m128* out) {
   if constexpr (kPairedBf16 && std::is_same_v<T, bf16>) {
     for (int g = 0; g < G; ++g) {
-      out[g] = reduce4(partial_dot(q[g], qf[g], kj, D), partial_dot(q[g], qf[g], kj + k_stride, D),
+      out[g] = L::sum4(partial_dot(q[g], qf[g], kj, D), partial_dot(q[g], qf[g], kj + k_stride, D),
                        partial_dot(q[g], qf[g], kj + 2 * k_stride, D), partial_dot(q[g], qf[g], kj + 3 * k_stride, D));
     }
   } else {
     Lanes sum[G][4];
     for (int g = 0; g < G; ++g) {
-      for (int i = 0; i < 4; ++i) sum[g][i] = Lanes{};
+      for (int i = 0; i < 4; ++i) sum[g][i] = L::zero();
     }
     for (int64_t d = 0; d < D; d += kLanes) {
       for (int i = 0; i < 4; ++i) {
-        const Lanes k = load_lanes(kj + i * k_stride + d, D - d);
-        for (int g = 0; g < G; ++g) sum[g][i] = fma_lanes(load_lanes(qf[g] + d, D - d), k, sum[g][i]);
+        const Lanes k = L::load_part(kj + i * k_stride + d, D - d);
+        for (int g = 0; g < G; ++g) sum[g][i] = L::fmadd(L::load_part(qf[g] + d, D - d), k, sum[g][i]);
       }
     }
-    for (int g = 0; g < G; ++g) out[g] = reduce4(sum[g][0], sum[g][1], sum[g][2], sum[g][3]);
+    for (int g = 0; g < G; ++g) out[g] = L::sum4(sum[g][0], sum[g][1], sum[g][2], sum[g][3]);
   }
 }
 
@@ -345,7 +206,7 @@ inline float softmax_numerators(float* scores, int64_t keys, float best, bool na
   top = best;
   float total = 0.0f;
   int64_t j = 0;
-#ifdef TFORMER_SIMD_ATTENTION
+#ifdef TFORMER_SIMD
   total = numerators(scores, keys, best, j);
 #endif
   for (; j < keys; ++j) {
@@ -376,7 +237,7 @@ void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool*
   std::fill(best, best + G, kMasked);
   std::fill(nan, nan + G, false);
   int64_t first = 0;  // 1. scores
-#ifdef TFORMER_SIMD_ATTENTION
+#ifdef TFORMER_SIMD
   // four keys at a time, their sums reduced together; each head's running max and NaN flags as four lanes
   __m128 top4[G], nan4[G];
   const __m128 masked4 = _mm_set1_ps(kMasked), scale4 = _mm_set1_ps(scale);
@@ -415,8 +276,8 @@ void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool*
         continue;
       }
       const T* kj = k0 + j * k_stride;
-#ifdef TFORMER_SIMD_ATTENTION
-      const float dot = hsum(partial_dot(q[g], qf[g], kj, D));
+#ifdef TFORMER_SIMD
+      const float dot = L::sum(partial_dot(q[g], qf[g], kj, D));
 #else
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -430,7 +291,7 @@ void numerators_of(const T* const* q, const T* k0, int64_t k_stride, const bool*
   }
 }
 
-#ifdef TFORMER_SIMD_ATTENTION
+#ifdef TFORMER_SIMD
 // Step 3 for G heads, NV vectors of value columns at a time (at most `Most`): weighted_sum<G, NV> for NV = ceil(width
 // / kLanes), chosen by recursion so that only NV <= Most is instantiated.
 template <int G, int NV, typename T>
@@ -456,7 +317,7 @@ void attend_sums(const T* const* q, const T* k0, int64_t k_stride, const T* v0, 
   const float* p[G];
   for (int g = 0; g < G; ++g) p[g] = scores + g * stride;
   // 3. the weighted sums of the values, float32 accumulators in registers
-#ifdef TFORMER_SIMD_ATTENTION
+#ifdef TFORMER_SIMD
   constexpr int kMost = G == 1 ? kBlock : group_block(G);
   for (int64_t d0 = 0; d0 < Dv; d0 += kLanes * kMost) {
     const int64_t width = std::min<int64_t>(Dv - d0, kLanes * kMost);
@@ -493,8 +354,8 @@ void finish_row(const float* acc, float total, int64_t Dv, T* out) {
 }
 
 // One past the row's last visible key (0: none), so the keys after it are never touched. In a static cache's mask
-// most columns are the positions not yet written, all at the end (a SmolLM2 step at 40 tokens in a 320-column cache:
-// 280 masked keys a head, which cost the demo model's step as much as its visible ones). Mask bytes are 0 or 1, so a
+// most columns are the positions not yet written, all at the end, and would cost as much as the visible ones. Mask
+// bytes are 0 or 1, so a
 // contiguous mask is scanned eight keys a read.
 inline int64_t visible_end(const bool* mask, int64_t stride, int64_t keys) {
   if (mask == nullptr) return keys;
@@ -514,21 +375,18 @@ struct Strides {
   int64_t s0, s1, s2;
 };
 
-// Split over the keys (flash-decoding). A decode step has few tasks (SmolLM2 at batch 1: its 3 key/value heads), so
-// its two threads got unequal shares, 2 tasks and 1. When there are fewer than kSplitRows (batch, key/value head,
+// Split over the keys (flash-decoding). A decode step has few tasks (at batch 1, one per key/value head), too few to
+// share out evenly over the threads. When there are fewer than kSplitRows (batch, key/value head,
 // query row)s, each row's visible keys are cut into ceil(kSplitRows / rows) equal pieces (at most one per kSplitKeys
 // keys the rows may reach); each piece's task leaves its sums (attend_sums), and the pieces of a row are merged by
 // the softmax's rescaling: with M the largest of the pieces' top scores, out = sum_s acc_s e^(top_s - M) /
 // sum_s total_s e^(top_s - M). The cut depends on the shapes alone (not on the thread count, nor on how many heads go
-// together), so a call gives the same bits on any number of threads. A SmolLM2 layer's attention (9/3 heads, 64
-// features, bfloat16, 2 threads; AMD EPYC Zen 4) took 0.87-0.95 of the unsplit time at 128-288 keys, 0.81-0.88 at
-// 600-1024 (a scratch build switching in one process); cutting into more pieces (3 to 6 for 3 rows) gained less. Two
-// threads against one (benchmarks/decode_attention.py, in turns): 1.42-1.72x at 320-4096 keys, 1.10-1.26x unsplit.
+// together), so a call gives the same bits on any number of threads (figures: benchmarks/decode_attention.py and
+// BENCHMARKS.md).
 constexpr int64_t kSplitRows = 4;
 constexpr int64_t kSplitKeys = 64;
-// At least kThreadWork multiply-adds a thread: a smaller call runs on the calling thread. Waking a second thread
-// costs ~3 us: SmolLM2's call (9/3 heads of 64, bfloat16) took 1.7x as long on two threads as on one at 32 keys,
-// 1.3x at 64, the same at 96-128 (benchmarks/decode_attention.py, third table; AMD EPYC Zen 4).
+// At least kThreadWork multiply-adds a thread: a smaller call runs on the calling thread, since waking a second
+// thread costs more than it saves there (benchmarks/decode_attention.py, third table).
 constexpr int64_t kThreadWork = 65536;
 
 // out (B, H, L, Dv), contiguous = attention of q (B, H, L, D) to k (B, Hkv, S, D) and v (B, Hkv, S, Dv), every last
@@ -606,7 +464,7 @@ void run_raw(const T* qp, Strides qs, const T* kp, Strides ks, const T* vp, Stri
     }
   });
   if (splits == 1) return;
-  // The pieces of each row merged on the calling thread (SmolLM2 at batch 1: 9 heads x 2 pieces x 64 values).
+  // The pieces of each row merged on the calling thread (a few heads x pieces x values: too little to share out).
   std::vector<float> merged(Dv);
   for (int64_t u = 0; u < tasks / splits; ++u) {
     const Task task = task_of(u * splits);

@@ -8,13 +8,12 @@
 //   x' = x1 + (silu(g) u) Wdown^T (+ b)
 //
 // Why. A decode step reads every weight once, so it is bound by memory bandwidth; its products run near it on
-// tformer's matrix-vector kernels, but a compiled SmolLM2 step spent 18% of its time outside them when each block was
-// ~9 modules: ~270 calls a step from Python, ~120 inductor kernels between the products (BENCHMARKS.md, "Where a
-// compiled step goes"). One op a block cut that to 30 calls, but each still cost ~15 us to dispatch from Python
-// (its 14 arguments, lists among them) while the second thread waited: 5% of a step (AMD EPYC Zen 4). So the whole
-// stack is one call: the products and the attention are gemv.cpp's and attention.cpp's loops (kernels.h), each its
-// own parallel region on torch's pool; what lies between them (norms, RoPE, the cache write, SwiGLU, residual sums)
-// is a few thousand values, done in place on the calling thread.
+// tformer's matrix-vector kernels, but the calls between them (~9 modules a block from Python, or the inductor
+// kernels of a compiled step), and even one op a block dispatched from Python, cost a share of the step while the
+// other threads wait (BENCHMARKS.md, "Where a compiled step goes"). So the whole stack is one call: the products
+// and the attention are gemv.cpp's and attention.cpp's loops (kernels.h), each its own parallel region on torch's
+// pool; what lies between them (norms, RoPE, the cache write, SwiGLU, residual sums) is a few thousand values, done
+// in place on the calling thread.
 //
 // Rounding. Every value the module path (tformer.layers) holds in a tensor of the model's dtype is rounded to that
 // dtype here too, in the same order: the normalized x, its product with g, each projection's output (one rounding
@@ -25,7 +24,7 @@
 //
 // Weights: bfloat16 or float32 of the activations' dtype, or weight-only int8 codes with one scale per row
 // (tformer.quantize), each projection of each block on its own. Built with gemv.cpp and attention.cpp by
-// tformer/kernels/__init__.py; the op is tformer::decode_blocks, its lists flat: two norms, two eps and four
+// tformer/engine/kernels/build.py; the op is tformer::decode_blocks, its lists flat: two norms, two eps and four
 // projections (q|k|v, out, gate|up, down) a block, one key and one value cache a block.
 
 #include <ATen/core/Tensor.h>
@@ -160,27 +159,18 @@ void rotate(T* v, Floats cos, Floats sin, int64_t D, bool interleaved) {
 }
 
 // g <- silu(g) = g sigmoid(g) = g / (1 + e^-g), in float32, for n values: with e = e^-|g| (never overflows),
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. The exp is kernels.h's polynomial (relative error at
-// most 8.4e-8), on 16 or 8 lanes where the CPU has them: GCC left the plain loop scalar, with a branch on the sign
-// that the predictor cannot learn (SmolLM2's 1536 gate values took 6.4 us a block, a third of a millisecond a step,
-// against 0.5 on 8 lanes; AMD EPYC Zen 3).
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. The exp is simd.h's polynomial (relative error at
+// most 8.4e-8), on simd.h's vectors where the CPU has them: compilers leave the plain loop scalar, with a branch on
+// the sign that the predictor cannot learn.
 inline void silu(float* g, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 one16 = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = tformer_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // -|x|
-    const __m512 top = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), e, one16);
-    _mm512_storeu_ps(g + i, _mm512_mul_ps(x, _mm512_div_ps(top, _mm512_add_ps(one16, e))));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 one8 = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = tformer_kernels::exp8(_mm256_or_ps(x, sign));  // -|x|
-    const __m256 top = _mm256_blendv_ps(e, one8, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
-    _mm256_storeu_ps(g + i, _mm256_mul_ps(x, _mm256_div_ps(top, _mm256_add_ps(one8, e))));
+#if defined(TFORMER_SIMD)
+  using L = tformer_kernels::simd::Wide;
+  const L::V one = L::set1(1.0f);
+  for (; i + L::kWidth <= n; i += L::kWidth) {
+    const L::V x = L::load(g + i);
+    const L::V e = tformer_kernels::simd::exp_lanes<L>(L::neg_abs(x));
+    L::store(g + i, L::mul(x, L::div(L::where_nonnegative(x, one, e), L::add(one, e))));
   }
 #endif
   for (; i < n; ++i) {
