@@ -1,6 +1,6 @@
 """Half-precision attention on the CPU: PyTorch's kernel in the input dtype against the same kernel in float32.
 
-This is the measurement behind ``tformer.attention.sdpa.cpu_attention_in_float32``: for each dtype and shape it
+This is the measurement behind ``tformer.attention.cpu_attention_in_float32``: for each dtype and shape it
 times ``F.scaled_dot_product_attention`` (causal) on the half-precision inputs as they are ("native"), and on
 the inputs cast to float32 with the output cast back ("float32"), forward alone and forward+backward, the
 two taking turns in one process (best of several runs). ``native / float32`` > 1 means float32 is faster.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tformer.attention.sdpa import cpu_attention_in_float32
+from tformer.attention import cpu_attention_in_float32
 
 SHAPES = [  # (batch, heads, n, head dim): training shapes of the benchmark models, then longer sequences
     (12, 4, 64, 32),

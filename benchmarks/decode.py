@@ -8,22 +8,22 @@
   cache holds the weights (SmolLM2's 135 MB of int8 codes in an Intel Xeon's 300 MB L3) it serves them between two
   steps faster than memory, and the 1 GiB bound is no bound (a 135 MB buffer read at 39-52 GB/s, 1 GiB at 23-29).
 * SmolLM2-135M, batch 1, a 32-token prompt, ``--new-tokens`` (256) greedy: tformer eager float32, eager bfloat16 on
-  PyTorch's ``F.linear`` and attention (``tformer.engine.kernels`` off) and on tformer's decode kernels, eager bfloat16 over
-  a static cache (the blocks one ``tformer::decode_blocks`` call, :mod:`tformer.engine.fused`), compiled bfloat16 with the
-  fused blocks off (the modules' graph) and on, eager and compiled int8 (bfloat16 activations), and
-  ``transformers.generate`` in float32 and bfloat16. The decode rate excludes prefill: (time for N tokens - time for
-  1) / (N - 1), each time the best of ``--repeats`` rounds in which the settings take turns (run one after another,
-  each setting's ~30 s met another state of the host: the bandwidth moved 70.6 -> 45.3 GB/s within one run). Compiled
-  runs are timed after a first, compiling call (its wall time is reported: the compile cost). Compiled int8 against
-  compiled bfloat16 both ways: the best rates' ratio, and round by round (each round's int8 rate over its bfloat16
-  rate: the two met the host at nearly the same moment).
+  PyTorch's ``F.linear`` and attention (``tformer.engine.kernels`` off) and on tformer's decode kernels, eager bfloat16
+  over a static cache (the blocks one ``tformer::decode_blocks`` call, :mod:`tformer.engine.fused`), compiled bfloat16
+  with the fused blocks off (the modules' graph) and on, eager and compiled int8 (bfloat16 activations), and
+  ``transformers.generate`` in float32 and bfloat16. The decode rate excludes prefill: (time for N tokens - time for 1)
+  / (N - 1), each time the best of ``--repeats`` rounds in which the settings take turns (run one after another, each
+  setting's ~30 s met another state of the host: the bandwidth moved 70.6 -> 45.3 GB/s within one run). Compiled runs
+  are timed after a first, compiling call (its wall time is reported: the compile cost). Compiled int8 against compiled
+  bfloat16 both ways: the best rates' ratio, and round by round (each round's int8 rate over its bfloat16 rate: the two
+  met the host at nearly the same moment).
 * The demo-size model (0.84M parameters, random weights): compiled against eager per-token time, and compiled with
   every step through dynamo (``tformer.generation.static.REPLAY`` off: what ``StaticLM.replay`` saves), the
   settings' runs alternated ``--demo-repeats`` times (each takes ~0.2 s, so host noise would otherwise decide the
   ratio).
 * Batch 1, 4, 16 (SmolLM2, eager bfloat16 and int8): tokens/s, where decoding turns from bandwidth- to compute-bound;
-  where the kernels take more than 4 rows (:func:`tformer.engine.kernels.max_rows`), batch 16 also as it ran when they took
-  at most 4 (the rest on PyTorch's GEMMs), in the same rounds.
+  where the kernels take more than 4 rows (:func:`tformer.engine.kernels.max_rows`), batch 16 also as it ran when
+  they took at most 4 (the rest on PyTorch's GEMMs), in the same rounds.
 * Time to first token for a 512-token prompt (prefill), eager against compiled (SmolLM2, bfloat16); where the CPU
   runs bfloat16 GEMMs as float32 (:func:`tformer.engine.kernels.uses_float32_gemm`), eager with PyTorch's own as well.
 

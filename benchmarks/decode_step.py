@@ -7,8 +7,8 @@ side by side in one process, each over its own static cache at the same length, 
 (``--steps`` decode steps, ~0.1 s), each burst between two reads of the bandwidth (a ``sum`` over 1 GiB, ~20 ms):
 
 * ``compiled, fused blocks``: ``generate(..., compile=True)``'s step (each block one ``tformer::decode_block`` call),
-  on the weights as ``load_pretrained`` leaves them (one block of memory, :mod:`tformer.engine.memory`), with the kernels'
-  default software prefetch (:func:`tformer.engine.kernels.prefetch_rows`);
+  on the weights as ``load_pretrained`` leaves them (one block of memory, :mod:`tformer.engine.memory`), with the
+  kernels' default software prefetch (:func:`tformer.engine.kernels.prefetch_rows`);
 * ``... prefetch N rows``: the same step with the other prefetch setting (8 rows ahead where the default is none,
   none where it is 8 rows);
 * ``... weights unpacked``: the same step on a second copy of the model whose tensors are each their own allocation

@@ -39,8 +39,8 @@ from tformer.engine import kernels
 
 def matmul_rate(model: torch.nn.Module, repeats: int) -> float:
     """tokens/s of a decode step's matrix-vector products alone: every layer's matrix (the head's too) times a
-    1-row input, through the layers as tformer calls them (bfloat16: ``tformer.engine.kernels``' matrix-vector kernel). The
-    ceiling for an eager decoder on these kernels."""
+    1-row input, through the layers as tformer calls them (bfloat16: ``tformer.engine.kernels``' matrix-vector
+    kernel). The ceiling for an eager decoder on these kernels."""
     from tformer.engine.quantization import Int8Linear
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]

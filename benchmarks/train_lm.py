@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer import DecoderLM, TransformerConfig, num_parameters
+from tformer.tokenizers import CharTokenizer
 from tformer.training import TrainConfig
 from tformer.training.batches import LMBatches
 from tformer.training.corpus import corpus_files, iter_texts, tokenize_corpus
 from tformer.training.optim import lr_at, make_optimizer
-from tformer.training.tokenizers import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # The same function on both sides: exact GELU, or GPT-2's tanh approximation (GPT2Config's default "gelu_new")

@@ -7,11 +7,30 @@ deviation instead.
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
 from tformer import DecoderLM, EncoderDecoder, TransformerConfig
 from tformer.training import TrainConfig
+
+# The fast tier (``make test-fast``) runs no subprocess and builds no kernel: it sets this variable and
+# TFORMER_KERNELS=0, and deselects the tests marked ``slow``, ``subprocess`` and ``kernels``. A test that starts a
+# process anyway (itself, or through torch.compile's C++ builds or the claims sandbox) fails there, naming its mark.
+FAST_TIER = os.environ.get("TFORMER_TEST_TIER") == "fast"
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(monkeypatch):
+    if FAST_TIER:
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("this test starts a process: mark it @pytest.mark.subprocess (the fast tier runs none)")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
 
 VOCAB = TransformerConfig.tiny().vocab_size
 # The model of the tiny training runs: TransformerConfig.tiny()'s sizes (vocab_size and max_seq_len come from the run)

@@ -26,17 +26,20 @@ LAYERS = {
     "attention": 1,
     "positions": 2,
     "layers": 2,
-    "engine": 0,
     "models": 3,
-    "generation": 4,
-    "training": 5,
-    "interop": 6,
-    "experiments": 6,
-    "claims": 6,
-    "explore": 7,
-    "cli": 8,
-    "__main__": 8,
+    "runtime": 3,  # where a model runs (devices, wrappers, the cache folder): torch only, shared above the models
+    "tokenizers": 3,  # text <-> ids: shared by generation, interop, training and the explorer
+    "engine": 4,  # the CPU decode engine, applied to the models from outside: the core imports nothing of it
+    "generation": 5,
+    "interop": 6,  # Hugging Face and GGUF checkpoints, the shipped models: read by training's fine-tuning
+    "training": 7,
+    "experiments": 7,
+    "claims": 7,
+    "explore": 8,
+    "cli": 9,
+    "__main__": 9,
 }
+CORE = ("config", "functional", "attention", "positions", "layers", "models")  # the Transformer, and only it
 
 
 def relative(path: Path) -> str:
@@ -154,16 +157,78 @@ def test_no_training_function_outgrows_its_budget():
     assert not long, long
 
 
-# folders whose modules the README's package tree names one by one (cli/, claims/ and experiments/ are described
-# as a whole: one module per command, the sandbox, one module per experiment)
-LISTED_FOLDERS = ("attention", "generation", "training", "interop", "explore")
+# folders whose modules the package tree of docs/model.md names one by one (cli/, claims/ and experiments/ are
+# described as a whole: one module per command, the sandbox, one module per experiment)
+LISTED_FOLDERS = ("attention", "engine", "generation", "training", "interop", "explore")
+
+
+def _tree(document: Path) -> str:
+    """The ```text block of ``document`` that starts with ``src/tformer/``: its package tree."""
+    return document.read_text(encoding="utf-8").split("```text\nsrc/tformer/\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_package_tree_names_every_module_of_the_listed_folders():
-    readme = (PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")
-    tree = readme.split("```text\nsrc/tformer/\n", 1)[1].split("```", 1)[0]
+    # README's layout is a few lines: every top-level module and folder of the package, by name
+    root = PACKAGE.parents[1]
+    readme = _tree(root / "README.md")
+    tops = sorted({relative(p).split("/")[0] for p in MODULES} - {"__init__.py", "__main__.py"})
+    names = [top if top.endswith(".py") else f"{top}/" for top in tops]
+    missing = [name for name in names if not re.search(rf"(?<![\w/]){re.escape(name)}(?![\w])", readme)]
+    assert not missing, f"top-level modules and folders not named in README's 'What is inside': {missing}"
+    # docs/model.md's tree (the full layout, which README links to) names every module of the listed folders
+    tree = _tree(root / "docs" / "model.md")
     named = set(re.findall(r"\w+\.py", tree))
     modules = [relative(p) for p in MODULES if p.name not in ("__init__.py", "__main__.py")]
     listed = [m for m in modules if "/" not in m or m.split("/")[0] in LISTED_FOLDERS]
     missing = [m for m in listed if Path(m).name not in named]
-    assert not missing, f"modules not named in README's 'What is inside': {missing}"
+    assert not missing, f"modules not named in the package tree of docs/model.md: {missing}"
+
+
+CPP_LINE_BUDGET = 600  # the C++ kernels are split by instruction-set family (engine/kernels/README.md)
+
+
+def test_no_kernel_source_outgrows_its_budget_or_reads_an_experiment_switch():
+    sources = sorted(p for pattern in ("*.cpp", "*.h") for p in PACKAGE.rglob(pattern))
+    assert sources, "no C++ sources found"
+    over = {relative(p): n for p in sources if (n := len(p.read_text().splitlines())) > CPP_LINE_BUDGET}
+    assert not over, f"over {CPP_LINE_BUDGET} lines: {over}"
+    # every TFORMER_ macro the sources test is one they define from the compiler's feature macros: none is a knob
+    # set from outside (-DTFORMER_...), which would be a second build of the same kernels to keep working
+    text = "\n".join(p.read_text() for p in sources)
+    tested = set(re.findall(r"#\s*(?:if|ifdef|ifndef|elif)\b[^\n]*", text))
+    used = {name for line in tested for name in re.findall(r"\bTFORMER_\w+", line)}
+    defined = set(re.findall(r"#\s*define\s+(TFORMER_\w+)", text))
+    assert used <= defined, f"macros read but never defined (outside knobs): {sorted(used - defined)}"
+
+
+def _files_run(model, ids) -> set[str]:
+    """The package's files whose functions run during ``model(ids)``."""
+    import sys
+
+    files = set()
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            files.add(relative(Path(frame.f_code.co_filename)))
+
+    sys.setprofile(note)
+    try:
+        model(ids)
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+def test_ids_to_logits_is_read_in_the_core_files_alone():
+    """A newcomer traces a decoder-only LM from ids to logits in four files of the core (a fifth with RoPE: its
+    rotation is functional.py's formula), and nothing of the engine runs in a plain model."""
+    import torch
+
+    from tformer import DecoderLM, TransformerConfig
+
+    ids = torch.randint(0, TransformerConfig.tiny().vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    core = {"models.py", "layers.py", "positions.py", "attention/__init__.py"}
+    gpt = DecoderLM(TransformerConfig.tiny(position="learned")).eval()
+    assert _files_run(gpt, ids) == core
+    llama = DecoderLM(TransformerConfig.tiny(position="rotary", norm="rms", ffn="gated", activation="silu")).eval()
+    assert _files_run(llama, ids) == core | {"functional.py"}

@@ -1,9 +1,10 @@
 """tformer: the Transformer from first principles on PyTorch, every claim checked on running code.
 
 Layers of the package (dependencies point one way; modules of one layer may use each other):
-    config, functional, kernels, memory (tensor math) <- attention <- positions, layers, quantization, fused <- models
-    <- generation <- training <- interop (Hugging Face and GGUF checkpoints), experiments, claims <- explore (the
-    page) <- cli (tests/test_layout.py holds it).
+    the core: config, functional <- attention <- positions, layers <- models;
+    then tokenizers, runtime (shared above the core) <- engine (the CPU decode engine, applied from outside: the core
+    imports nothing of it) <- generation <- interop (Hugging Face and GGUF checkpoints) <- training <- experiments,
+    claims <- explore (the page) <- cli (tests/test_layout.py holds it).
 
 Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
 tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.
@@ -103,14 +104,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer import functional
     from tformer.config import ConfigError, TransformerConfig
+    from tformer.engine.memory import pack_weights
+    from tformer.engine.quantization import quantize
     from tformer.generation.chat import ChatTemplateError, chat_prompt
     from tformer.generation.sampling import generate
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq
     from tformer.interop import InteropError, Pretrained, embed, load_pretrained, save_pretrained
     from tformer.layers import FeedForward, KVCache, LayerCache, MultiHeadAttention, TransformerBlock
-    from tformer.engine.memory import pack_weights
     from tformer.models import Decoder, DecoderLM, Encoder, EncoderDecoder, num_parameters
-    from tformer.engine.quantization import quantize
     from tformer.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint
     from tformer.training.config import TrainConfig, TrainResult
     from tformer.training.runtime import TrainingError

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer import attention
-from tformer.engine import kernels
 from tformer.config import TransformerConfig
 from tformer.positions import RotaryEmbedding
 
@@ -28,9 +27,9 @@ class KVCache:
     """Keys and values of the positions seen so far by one self-attention layer.
 
     Storage ``(B, Hkv, capacity, D)`` grows by doubling, so appending one token costs O(1) amortized copies.
+    Any object with ``update``, ``reorder`` and ``length`` serves :class:`LayerCache` as well (a cache allocated once
+    for compiled decoding: :class:`tformer.generation.static.StaticKVCache`).
     """
-
-    static = False
 
     def __init__(self) -> None:
         self.k: Tensor | None = None
@@ -59,51 +58,12 @@ class KVCache:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
-class StaticKVCache:
-    """Keys and values in storage of ``capacity`` positions allocated once, ``(B, Hkv, capacity, D)``, written in
-    place at the columns ``slots (T,)`` the caller sets before each call: every decoding step then has the same
-    shapes, and a compiled step runs again without recompiling. Unwritten columns hold zeros; the caller's key mask
-    hides them (:meth:`tformer.models.DecoderLM.forward` with a static cache)."""
-
-    static = True
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"a static cache needs capacity >= 1; got {capacity}")
-        self.capacity = capacity
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.slots: Tensor | None = None  # (T,) long: the columns the next update writes
-
-    def allocate(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the storage now, zeros ``(batch, kv_heads, capacity, head_dim)`` for keys and values, rather than
-        at the first :meth:`update`. A compiled caller must: storage made inside a CUDA graph belongs to the graph's
-        memory pool, which the next graph reuses (the first step after a prefill then failed in Triton's launcher)."""
-        self.k = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write ``k, v (B, Hkv, T, D)`` at columns ``slots``; return the whole storage ``(B, Hkv, capacity, D)``
-        (allocated at the first call, unless :meth:`allocate` did it before)."""
-        if self.k is None:
-            self.k = k.new_zeros(*k.shape[:-2], self.capacity, k.shape[-1])
-            self.v = v.new_zeros(*v.shape[:-2], self.capacity, v.shape[-1])
-        self.k.index_copy_(-2, self.slots, k)
-        self.v.index_copy_(-2, self.slots, v)
-        return self.k, self.v
-
-    def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (beam search re-ranking): new storage of the same capacity."""
-        if self.k is not None:
-            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
-
-
 @dataclass
 class LayerCache:
     """What one block remembers between decoding steps: its self-attention keys/values and, in an
     encoder-decoder, the cross-attention keys/values of the encoder output (computed once)."""
 
-    self_kv: KVCache | StaticKVCache = field(default_factory=KVCache)
+    self_kv: KVCache = field(default_factory=KVCache)
     cross_kv: tuple[Tensor, Tensor] | None = None
 
     def reorder(self, index: Tensor) -> None:
@@ -116,14 +76,6 @@ class LayerCache:
 # --------------------------------------------------------------------------------------------------
 # Attention and feed-forward
 # --------------------------------------------------------------------------------------------------
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict keys) whose bfloat16 CPU inference at a few rows, a decode
-    step, runs tformer's matrix-vector kernel (:func:`tformer.engine.kernels.linear`); everything else is ``F.linear``."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return kernels.linear(x, self.weight, self.bias)
-
-
 class MultiHeadAttention(nn.Module):
     """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``, ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
 
@@ -161,8 +113,8 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.dropout, self.backend, self.rotary = d_model, dropout, backend, rotary
         kv_dim = self.num_kv_heads * self.head_dim
         in_bias = bias if qkv_bias is None else qkv_bias
-        self.in_proj = Linear(d_model, d_model + 2 * kv_dim, bias=in_bias)  # rows: W^Q | W^K | W^V
-        self.out_proj = Linear(d_model, d_model, bias=bias)  # W^O
+        self.in_proj = nn.Linear(d_model, d_model + 2 * kv_dim, bias=in_bias)  # rows: W^Q | W^K | W^V
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # W^O
 
     def _heads(self, t: Tensor, heads: int) -> Tensor:
         B, T, _ = t.shape
@@ -205,11 +157,11 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.self_kv.update(k, v)  # (B, Hkv, past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
             weight, bias = self.in_proj.weight, self.in_proj.bias
-            q = self._heads(kernels.linear(x, weight[:C], None if bias is None else bias[:C]), H)
+            q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), H)
             if cache is not None and cache.cross_kv is not None:
                 k, v = cache.cross_kv
             else:
-                kv = kernels.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
+                kv = F.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
                 k, v = self._heads(kv, 2 * Hkv).split_with_sizes([Hkv, Hkv], dim=1)  # (B, Hkv, S, D) x2
                 if cache is not None:
                     cache.cross_kv = (k, v)
@@ -235,8 +187,8 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-        self.up = Linear(d_model, d_ff, bias=bias)
-        self.down = Linear(d_ff, d_model, bias=bias)
+        self.up = nn.Linear(d_model, d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self.activation = ACTIVATIONS[activation]
 
@@ -254,7 +206,7 @@ class GatedFeedForward(FeedForward):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, dropout: float = 0.0, activation: str = "silu"):
         super().__init__(d_model, d_ff, bias, dropout, activation)
-        self.up = Linear(d_model, 2 * d_ff, bias=bias)  # rows: W_g | W_1
+        self.up = nn.Linear(d_model, 2 * d_ff, bias=bias)  # rows: W_g | W_1
 
     def forward(self, x: Tensor) -> Tensor:
         """``x (B, T, C)`` -> ``W_2 (act(W_g x) * (W_1 x))``, ``(B, T, C)``."""
@@ -281,7 +233,7 @@ class Pooler(nn.Module):
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
-        self.dense = Linear(d_model, d_model)
+        self.dense = nn.Linear(d_model, d_model)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return torch.tanh(self.dense(hidden[:, 0]))
@@ -319,13 +271,8 @@ class TransformerBlock(nn.Module):
         self.ff, self.ff_norm = make_feed_forward(cfg), make_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x: Tensor, norm: nn.Module, sublayer: nn.Module, *args, **kwargs) -> Tensor:
-        """``x + F(LN(x))`` or ``LN(x + F(x))`` with ``F(h) = sublayer(h, *args, **kwargs)``."""
-        if self.norm_first:
-            h = sublayer(norm(x), *args, **kwargs)
-            return x + (self.dropout(h) if self.training else h)  # eval: skip the call (decoding is per-call bound)
-        h = sublayer(x, *args, **kwargs)
-        return norm(x + (self.dropout(h) if self.training else h))
+    def _drop(self, h: Tensor) -> Tensor:
+        return self.dropout(h) if self.training else h  # eval: skip the call (decoding is per-call bound)
 
     def forward(
         self,
@@ -334,28 +281,29 @@ class TransformerBlock(nn.Module):
         is_causal: bool = False,
         memory: Tensor | None = None,
         memory_mask: Tensor | None = None,
-        positions: Tensor | None = None,
         cache: LayerCache | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x (B, T, C)``; ``memory (B, S, C)`` for cross-attention; masks broadcastable to ``(B, H, T, *)``;
         ``rope``: the RoPE angles of this batch (:class:`RotaryEmbedding`), shared by every block."""
-        x = self._residual(
-            x,
-            self.self_attn_norm,
-            self.self_attn,
-            None,
-            self_mask,
-            is_causal,
-            positions=positions,
-            rope=rope,
-            cache=cache,
-        )
+        if self.cross_attn is not None and memory is None and (cache is None or cache.cross_kv is None):
+            raise ValueError("this block has cross-attention: pass the encoder output as memory")
+
+        def attend(h: Tensor) -> Tensor:
+            return self.self_attn(h, None, self_mask, is_causal, rope=rope, cache=cache)
+
+        def cross(h: Tensor) -> Tensor:
+            return self.cross_attn(h, memory, memory_mask, cache=cache)
+
+        if self.norm_first:  # Pre-LN: x <- x + F(LN(x))
+            x = x + self._drop(attend(self.self_attn_norm(x)))
+            if self.cross_attn is not None:
+                x = x + self._drop(cross(self.cross_attn_norm(x)))
+            return x + self._drop(self.ff(self.ff_norm(x)))
+        x = self.self_attn_norm(x + self._drop(attend(x)))  # Post-LN: x <- LN(x + F(x))
         if self.cross_attn is not None:
-            if memory is None and (cache is None or cache.cross_kv is None):
-                raise ValueError("this block has cross-attention: pass the encoder output as memory")
-            x = self._residual(x, self.cross_attn_norm, self.cross_attn, memory, memory_mask, cache=cache)
-        return self._residual(x, self.ff_norm, self.ff)
+            x = self.cross_attn_norm(x + self._drop(cross(x)))
+        return self.ff_norm(x + self._drop(self.ff(x)))
 
 
 class BlockStack(nn.Module):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.engine import fused, kernels
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
-from tformer.layers import BlockStack, LayerCache, Linear, Pooler, StaticKVCache, init_weights, make_norm
+from tformer.layers import BlockStack, LayerCache, Pooler, init_weights, make_norm
 from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
@@ -218,24 +218,11 @@ class _EmbeddedStack(nn.Module):
         self.stack = BlockStack(cfg, num_layers, cross_attention=cross_attention, rotary=self.rotary)
 
     def _run(
-        self,
-        ids: Tensor,
-        mask: Tensor | None,
-        caches: list[LayerCache] | None,
-        token_types: Tensor | None = None,
-        positions: Tensor | None = None,
-        **kwargs,
+        self, ids: Tensor, mask: Tensor | None, caches: list[LayerCache] | None, token_types: Tensor | None = None, **kw
     ) -> Tensor:
         """Embed ``ids (B, T)`` (after ``past`` cached tokens) and run the blocks. Everything here is decided from
         shapes and Python ints: no value is read back from the device."""
         _check_ids_shape(ids, self.ids_name)
-        if caches and caches[0].self_kv.static:
-            return self._run_static(ids, mask, caches, positions, **kwargs)
-        if positions is not None:
-            raise ValueError(
-                "positions are given only with a static cache (new_cache(capacity)); otherwise they are counted "
-                "from the mask and the cache (left padding does not shift them): leave positions out"
-            )
         B, T = ids.shape
         past = caches[0].self_kv.length if caches else 0
         if past and caches[0].self_kv.k.shape[0] != B:
@@ -253,39 +240,7 @@ class _EmbeddedStack(nn.Module):
             rope = self.rotary(positions)  # the angles of this batch, once for every block
         self_mask, is_causal = self_attention_mask(mask, T, past, self.causal)
         x = self.embed(ids, positions, token_types, name=self.ids_name)  # (B, T, C)
-        return self.stack(
-            x, caches=caches, self_mask=self_mask, is_causal=is_causal, positions=positions, rope=rope, **kwargs
-        )
-
-    def _run_static(
-        self, ids: Tensor, keys: Tensor | None, caches: list[LayerCache], positions: Tensor | None, **kwargs
-    ) -> Tensor:
-        """The blocks over a :class:`tformer.layers.StaticKVCache`: the caller gives each new token's position
-        ``positions (B, T)``, the cache columns it goes to (``cache.slots``, shared by the rows) and ``keys (B, S)``,
-        the columns that hold real tokens once these are written (``S`` = the capacity). Query ``i`` sees column
-        ``j`` when ``keys[b, j]`` and ``j <= slots[i]``. Only tensors vary between steps: one compiled graph serves
-        every step."""
-        cache = caches[0].self_kv
-        if positions is None or keys is None or cache.slots is None:
-            raise ValueError("a static cache needs positions (B, T), the key mask (B, capacity) and cache.slots")
-        if keys.shape != (ids.shape[0], cache.capacity) or positions.shape != ids.shape:
-            raise ValueError(
-                f"with a static cache of capacity {cache.capacity}: keys must be {(ids.shape[0], cache.capacity)} "
-                f"and positions {tuple(ids.shape)}; got {tuple(keys.shape)} and {tuple(positions.shape)}"
-            )
-        self_mask = keys[:, None, None, :]  # (B, 1, 1, S)
-        if self.causal:
-            columns = torch.arange(cache.capacity, device=ids.device)
-            self_mask = self_mask & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
-        rope = self.rotary(positions) if self.rotary is not None else None  # tables reserved by the caller
-        x = self.embed(ids, positions)  # (B, T, C)
-        stack = fused.plan(self.stack.blocks, x, caches)  # a decode step: the blocks one kernel call (:mod:`fused`)
-        if stack is not None:
-            x = fused.step(stack, x, [layer.self_kv for layer in caches], keys, rope)
-            return self.stack.final_norm(x)
-        return self.stack(
-            x, caches=caches, self_mask=self_mask, is_causal=False, positions=positions, rope=rope, **kwargs
-        )
+        return self.stack(x, caches=caches, self_mask=self_mask, is_causal=is_causal, rope=rope, **kw)
 
     def reserve(self, length: int) -> None:
         """Make the position tables hold ``length`` positions (a static cache's capacity, before decoding)."""
@@ -293,14 +248,9 @@ class _EmbeddedStack(nn.Module):
         if self.rotary is not None:
             self.rotary.reserve(length)
 
-    def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
-        """An empty key/value cache, one entry per block, for incremental decoding: growing, or with ``capacity`` a
-        :class:`tformer.layers.StaticKVCache` of that many positions (the position tables reserved for them)."""
-        if capacity is None:
-            return [LayerCache() for _ in self.stack.blocks]
-        learned = self.cfg.position == "learned"  # positions count real tokens: at most max_seq_len of them
-        self.reserve(min(capacity, self.cfg.max_seq_len) if learned else capacity)
-        return [LayerCache(StaticKVCache(capacity)) for _ in self.stack.blocks]
+    def new_cache(self) -> list[LayerCache]:
+        """An empty key/value cache, one entry per block, for incremental decoding."""
+        return [LayerCache() for _ in self.stack.blocks]
 
 
 class Encoder(_EmbeddedStack):
@@ -358,33 +308,29 @@ class Decoder(_EmbeddedStack):
         tgt_mask: Tensor | None = None,
         memory_mask: Tensor | None = None,
         cache: list[LayerCache] | None = None,
-        positions: Tensor | None = None,
     ) -> Tensor:
         """``tgt_ids (B, T)``, ``memory (B, S, C)`` -> hidden states ``(B, T, C)``.
 
-        With ``cache`` only the new tokens are given; ``tgt_mask`` then covers cached + new tokens (a static
-        cache: :meth:`_run_static`).
+        With ``cache`` only the new tokens are given; ``tgt_mask`` then covers cached + new tokens.
         """
         if tgt_mask is not None and cache is None:
             _check_mask(tgt_mask, tgt_ids, "tgt_mask")
         if memory is not None:
             _check_memory(memory, memory_mask, tgt_ids)
         cross_mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S)
-        return self._run(tgt_ids, tgt_mask, cache, memory=memory, memory_mask=cross_mask, positions=positions)
+        return self._run(tgt_ids, tgt_mask, cache, memory=memory, memory_mask=cross_mask)
 
 
 def output_head(cfg: TransformerConfig) -> nn.Linear | None:
     """A separate ``C x V`` output matrix, or ``None`` when the logits reuse the token embedding (tied)."""
-    return None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    return None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
 
 def project_logits(h: Tensor, head: nn.Module | None, tokens: nn.Embedding, bias: Tensor | None = None) -> Tensor:
-    """``logits = h W^T (+ b)`` with ``W`` the output matrix or, tied, the token embedding ``(V, C)``, and ``b`` the
-    fixed logits bias of ``cfg.logits_bias`` (Marian). A head that is not an ``nn.Linear`` (a quantized one:
-    :func:`tformer.quantize`) is called."""
-    if head is None or isinstance(head, nn.Linear):
-        weight = head.weight if head is not None else tokens.weight
-        return kernels.linear(h, weight, bias)  # (B, T, C) -> (B, T, V)
+    """``logits = h W^T (+ b)`` with ``W`` the output matrix or, tied (``head=None``), the token embedding ``(V, C)``,
+    and ``b`` the fixed logits bias of ``cfg.logits_bias`` (Marian): ``(B, T, C) -> (B, T, V)``."""
+    if head is None:
+        return F.linear(h, tokens.weight, bias)
     logits = head(h)
     return logits if bias is None else logits + bias
 
@@ -454,30 +400,24 @@ class DecoderLM(nn.Module):
         logits_bias(self, cfg)
         init_weights(self, cfg.num_layers, embed_std=0.02)
 
-    def forward(
-        self,
-        ids: Tensor,
-        mask: Tensor | None = None,
-        cache: list[LayerCache] | None = None,
-        positions: Tensor | None = None,
-        last_only: bool = False,
-    ) -> Tensor:
-        """``ids (B, T)`` -> logits ``(B, T, V)``. With ``cache``, ``ids`` are only the new tokens. With a static
-        cache (``new_cache(capacity)``), ``mask`` is the key mask ``(B, capacity)`` and ``positions (B, T)`` the new
-        tokens' positions (:meth:`Decoder._run_static`). ``last_only``: the last position's logits alone
-        ``(B, 1, V)``, what generation reads after a prompt (the head's product for one row, not ``T``: SmolLM2's
-        49152 x 576 head is a fifth of a prompt's multiply-adds)."""
+    def forward(self, ids: Tensor, mask: Tensor | None = None, cache: list[LayerCache] | None = None) -> Tensor:
+        """``ids (B, T)`` -> logits ``(B, T, V)``: :meth:`logits` of :meth:`hidden`. With ``cache``, ``ids`` are only
+        the new tokens and ``mask (B, cached + new)`` covers both."""
+        return self.logits(self.hidden(ids, mask, cache))
+
+    def hidden(self, ids: Tensor, mask: Tensor | None = None, cache: list[LayerCache] | None = None) -> Tensor:
+        """``ids (B, T)`` -> the final residual stream ``(B, T, C)`` (after the final norm)."""
         if mask is not None and cache is None:
             _check_mask(mask, ids, "mask")
-        h = self.decoder(ids, tgt_mask=mask, cache=cache, positions=positions)  # (B, T, C)
-        if last_only:
-            h = h[:, -1:]  # (B, 1, C)
+        return self.decoder(ids, tgt_mask=mask, cache=cache)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The output head: hidden states ``(B, T, C)`` -> logits ``(B, T, V)``."""
         return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
 
-    def new_cache(self, capacity: int | None = None) -> list[LayerCache]:
-        """An empty key/value cache, one entry per block: growing, or with ``capacity`` static (allocated once for
-        that many positions; :meth:`Decoder.new_cache`)."""
-        return self.decoder.new_cache(capacity)
+    def new_cache(self) -> list[LayerCache]:
+        """An empty key/value cache, one entry per block, for incremental decoding."""
+        return self.decoder.new_cache()
 
 
 def num_parameters(module: nn.Module) -> int:

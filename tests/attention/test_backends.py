@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tformer import attention
-from tformer.engine import kernels
 from tformer import functional as tf
-from tformer.attention import scaled_dot_product_attention
-from tformer.attention.sdpa import CPU_BF16_FLOAT32_MAX_KEYS
+from tformer.attention import CPU_BF16_FLOAT32_MAX_KEYS, scaled_dot_product_attention
 from tformer.config import AttnBackend
 
 # float64 reference vs float64 PyTorch: both are exact up to summation order, so 1e-10 is ~1e5 ulps of slack.
@@ -136,9 +134,8 @@ def test_cpu_bfloat16_attention_float32_path_is_at_least_as_accurate():
 
 
 def test_cpu_long_bfloat16_attention_keeps_the_native_kernel():
-    """Above CPU_BF16_FLOAT32_MAX_KEYS keys PyTorch's bfloat16 kernel is the faster one, and it is used as is (for
-    more query rows than a decode step's: those go to tformer's kernel, ``tests/core/test_kernels.py``)."""
-    S, L = CPU_BF16_FLOAT32_MAX_KEYS + 1, kernels.MAX_ROWS + 4
+    """Above CPU_BF16_FLOAT32_MAX_KEYS keys PyTorch's bfloat16 kernel is the faster one, and it is used as is."""
+    S, L = CPU_BF16_FLOAT32_MAX_KEYS + 1, 8
     q, k, v = (_rand(1, 2, n, 16, seed=s, dtype=torch.float32).bfloat16() for s, n in ((1, L), (2, S), (3, S)))
     out = scaled_dot_product_attention(q, k, v, backend="sdpa")
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
@@ -229,10 +226,24 @@ def test_backends_agree_at_the_edges(backend):
     assert no_keys.shape == (2, 2, 5, 8) and not no_keys.any()
 
 
-def test_the_config_offers_exactly_the_registered_backends():
-    assert get_args(AttnBackend) == attention.BACKEND_NAMES == ("auto", *attention.BACKENDS)
+def test_the_config_offers_exactly_the_built_in_backends():
+    assert get_args(AttnBackend) == attention.BACKEND_NAMES == ("auto", *(b.name for b in attention.BUILTIN))
     assert all(name == backend.name for name, backend in attention.BACKENDS.items())
+    assert set(attention.BACKEND_NAMES[1:]) <= set(attention.BACKENDS)
     assert attention.resolve("auto") is attention.BACKENDS[attention.auto_backend()]
+
+
+def test_a_registered_backend_is_resolved_by_name_and_a_taken_name_is_refused():
+    backend = attention.Backend("test-only", attention.sdpa_attention, dropout=True)
+    try:
+        assert attention.register(backend) is backend and attention.register(backend) is backend
+        assert attention.resolve("test-only") is backend
+        with pytest.raises(ValueError, match="'sdpa' exists already"):
+            attention.register(attention.Backend("sdpa", attention.sdpa_attention, dropout=True))
+        with pytest.raises(ValueError, match="'auto' exists already"):
+            attention.register(attention.Backend("auto", attention.sdpa_attention, dropout=True))
+    finally:
+        attention.BACKENDS.pop("test-only", None)
 
 
 @pytest.mark.parametrize("name", ["tiled", "triton"])

@@ -59,6 +59,7 @@ def interpreter_flag(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.mark.subprocess
 def test_in_a_fresh_interpreter_process():
     """Runs only when this process cannot interpret the kernels (triton imported earlier, no CUDA)."""
     if RUNS_HERE:

@@ -55,6 +55,7 @@ def write_claims(path: Path, entries: object) -> str:
 # --------------------------------------------------------------------------- the shipped claims
 
 
+@pytest.mark.subprocess
 def test_seed_claims_are_the_source_documents_four_and_pass_via_the_api():
     claims = builtin_claims("seed")
     assert [c.claim for c in claims] == SEED_TEXTS
@@ -62,6 +63,7 @@ def test_seed_claims_are_the_source_documents_four_and_pass_via_the_api():
     assert [(r.index, r.status, r.message) for r in results] == [(i, "PASS", "") for i in range(4)]
 
 
+@pytest.mark.subprocess
 def test_the_seed_variance_claim_fails_when_its_claim_or_its_assumption_changes():
     """The check derives Var(q.k) from the moments; it is not true whatever the claimed value (no tautology)."""
     code = builtin_claims("seed")[0].code
@@ -100,6 +102,7 @@ def test_every_derivation_claim_passes():
 # --------------------------------------------------------------------------- verdicts
 
 
+@pytest.mark.subprocess
 def test_false_claims_fail_and_bad_results_are_errors_that_say_what_was_found():
     codes = [
         # Var(s) = d_k, not d_k**2
@@ -126,6 +129,7 @@ def test_false_claims_fail_and_bad_results_are_errors_that_say_what_was_found():
     assert zero_msg.startswith("ZeroDivisionError")
 
 
+@pytest.mark.subprocess
 def test_check_claim_reports_the_index_and_text_and_its_own_time():
     result = check_claim(Claim("text", BENIGN, index=7), timeout_s=20)
     assert (result.index, result.claim, result.status, result.ok) == (7, "text", "PASS", True)
@@ -214,6 +218,7 @@ def test_hostile_snippets_are_errors_or_timeouts_and_the_benign_claims_still_pas
     assert not marker.exists()
 
 
+@pytest.mark.subprocess
 def test_cpu_time_limit_ends_a_computation_stuck_in_one_c_call():
     codes = ["result = 10**10**10 > 0", "while True:\n    pass"]
     results = check_claims(batch(codes), timeout_s=60, cpu_s=1, memory_mb=4096, jobs=2)
@@ -247,6 +252,7 @@ def test_value_guards_refuse_modules_frames_and_forbidden_functions():
     assert not {"open", "eval", "exec", "getattr", "type", "__import__"} & set(ns["__builtins__"])
 
 
+@pytest.mark.subprocess
 def test_audit_hook_and_limits_stop_effects_even_past_the_namespace(tmp_path):
     """Run plain (unrestricted) Python after the worker's hardening, as an escaped snippet would."""
     outside = tmp_path / "outside.txt"
@@ -295,6 +301,7 @@ def test_audit_hook_and_limits_stop_effects_even_past_the_namespace(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.txt"]
 
 
+@pytest.mark.subprocess
 def test_worker_script_speaks_the_protocol_without_importing_torch_or_tformer():
     request = json.dumps({"code": "result = 1 + 1 == 2", "cpu_s": 10, "memory_mb": 1024})
     proc = subprocess.run(
@@ -347,6 +354,7 @@ def test_unusable_input_exits_2_with_a_message_naming_the_problem(tmp_path, caps
         load_claims(path)
 
 
+@pytest.mark.subprocess
 def test_claims_files_and_stdin_with_a_utf8_byte_order_mark_verify(tmp_path, monkeypatch, capsys):
     text = json.dumps([{"claim": "with a BOM", "code": BENIGN}])
     path = tmp_path / "notepad.json"
@@ -359,6 +367,7 @@ def test_claims_files_and_stdin_with_a_utf8_byte_order_mark_verify(tmp_path, mon
     assert "1 passed, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_json_results_mark_output_cut_at_the_limit(tmp_path, capsys):
     limit = _claim_worker.MAX_OUTPUT_CHARS
     path = write_claims(
@@ -393,6 +402,7 @@ def test_missing_file_and_missing_source_exit_2(tmp_path, capsys):
     assert "--timeout must be a number of seconds > 0; got 0" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_cli_rows_follow_the_file_and_json_output_parses(tmp_path, capsys):
     path = write_claims(
         tmp_path / "mixed.json",

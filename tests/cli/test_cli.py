@@ -452,6 +452,39 @@ def test_the_cli_module_itself_imports_no_torch():
     assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr
 
 
+def test_help_and_a_mistyped_command_answer_without_importing_torch():
+    """Every command's parser is built from modules that import no torch (it loads inside the commands), so
+    ``tformer --help``, ``tformer COMMAND --help`` and a mistyped command answer at once."""
+    code = (
+        "import sys\n"
+        "from tformer.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code)\n"
+        "print(sorted({'torch', 'numpy'} & set(sys.modules)))\n"
+    )
+    for args in (
+        ["--help"],
+        ["sampel"],
+        *([name, "--help"] for name in cli.build_parser()._subparsers._actions[1].choices),
+    ):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.endswith("[]\n"), (args, proc.stdout, proc.stderr)
+        if args == ["sampel"]:
+            assert "exit 2" in proc.stdout
+            assert proc.stderr.startswith("tformer: error: argument COMMAND: invalid choice: 'sampel' (choose from")
+        else:
+            assert "exit 0" in proc.stdout and "usage: tformer" in proc.stdout
+
+
+def test_the_sample_help_shows_the_default_length_generation_uses():
+    from tformer.cli.sample import DEFAULT_NEW_TOKENS
+    from tformer.generation import text
+
+    assert DEFAULT_NEW_TOKENS == text.DEFAULT_NEW_TOKENS
+
+
 def test_resume_can_turn_off_what_the_run_turned_on_and_notes_a_new_attention_backend(tiny_flags, tmp_path, capsys):
     """Every on/off setting has both flags (--compile/--no-compile, --progress/--no-progress), so a resumed run can
     undo what the saved run set (it takes the saved values otherwise); a new --attn-backend, the one model flag a

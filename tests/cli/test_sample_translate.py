@@ -13,9 +13,9 @@ from tformer.cli import main
 from tformer.generation.sampling import generate
 from tformer.generation.seq2seq import beam_search
 from tformer.generation.text import DEFAULT_NEW_TOKENS, TextStream, sample_to, translate_lines
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 from tformer.training.checkpoint import WEIGHTS, load_checkpoint, save_checkpoint
 from tformer.training.demos import sample_text
-from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 
 # --------------------------------------------------------------------------------------------------
 # The CLI on tiny checkpoints
@@ -233,6 +233,22 @@ def test_cli_sample_bad_flags_are_errors_before_loading(flags, message, tmp_path
     printed = capsys.readouterr()
     assert printed.err.startswith("tformer sample: error: ") and message in printed.err
     assert "checkpoint" not in printed.err and printed.out == ""  # tmp_path is no checkpoint: nothing was loaded
+
+
+@pytest.mark.parametrize("unknown", ["unk", "skip"])
+def test_cli_sample_notes_prompt_characters_a_char_tokenizer_does_not_know(unknown, peaky, tmp_path, capsys):
+    tok = CharTokenizer(CHARS, unknown=unknown)
+    model = peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size)))
+    save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=0, train_config={})
+    args = ["sample", "--checkpoint", str(tmp_path), "--greedy", "--max-new-tokens", "2", "--prompt"]
+    assert main([*args, "Hi, héllo!"]) == 0
+    became = "<unk>" if unknown == "unk" else "nothing (dropped)"
+    assert capsys.readouterr().err == (
+        "tformer sample: note: the model's character tokenizer does not know 'H' ',' 'é' '!' of the prompt; it reads "
+        f"{became} there\n"
+    )
+    assert main([*args, "hello"]) == 0  # every character known: no note
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_sample_damaged_latest_checkpoint_names_a_good_older_one(peaky, tmp_path, capsys):

@@ -75,20 +75,21 @@ def test_cached_logits_equal_uncached(random_ids, position):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_last_only_gives_the_last_positions_logits(random_ids, dtype):
-    """What generation asks after a prompt: the head's product for one row. In float64 the same numbers (to 1e-12:
-    the product of one row and of ten are the same sums); in float32 the one row runs on the matrix-vector kernel
-    and the ten on a GEMM, the same float32 sums in another order: 1e-5 is ~100 ulps of the logits' scale."""
+def test_the_head_of_the_last_hidden_state_gives_the_last_positions_logits(random_ids, dtype):
+    """What generation asks after a prompt: the head's product for one row, ``logits(hidden(ids)[:, -1:])``. In
+    float64 the same numbers (to 1e-12: the product of one row and of ten are the same sums); in float32 1e-5, ~100
+    ulps of the logits' scale (an accelerated model runs one row on the matrix-vector kernel and ten on a GEMM:
+    tests/engine/test_apply.py)."""
     torch.manual_seed(6)
     model = DecoderLM(TransformerConfig.tiny(position="rotary")).to(dtype).eval()
     ids = random_ids(2, 10, seed=9)
     with torch.no_grad():
-        full, last = model(ids), model(ids, last_only=True)
+        full, last = model(ids), model.logits(model.hidden(ids)[:, -1:])
         assert last.shape == (2, 1, 32)
         tolerance = 1e-12 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(last, full[:, -1:], rtol=tolerance, atol=tolerance)
         cache = model.new_cache()
-        prompt = model(ids[:, :6], cache=cache, last_only=True)  # a prefill into a cache: the cache still fills
+        prompt = model.logits(model.hidden(ids[:, :6], cache=cache)[:, -1:])  # a prefill: the cache still fills
         step = model(ids[:, 6:7], cache=cache)
     torch.testing.assert_close(prompt, full[:, 5:6], rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(step, full[:, 6:7], rtol=tolerance, atol=tolerance)
@@ -164,8 +165,8 @@ def test_wrong_inputs_are_named_with_what_fits(random_ids):
     an encoder-decoder's errors say whether the source or the target is wrong."""
     lm = DecoderLM(TransformerConfig.tiny(position="learned")).eval()
     ids = random_ids(2, 8)
-    with pytest.raises(ValueError, match=r"positions are given only with a static cache"):
-        lm(ids, positions=torch.arange(3, 11))  # was silently ignored
+    with pytest.raises(TypeError, match=r"positions"):
+        lm(ids, positions=torch.arange(3, 11))  # counted from the mask and the cache: no argument to ignore
     with pytest.raises(ValueError, match=r"int64 or int32: ids.long\(\)\); got torch.uint8"):
         lm(ids.to(torch.uint8))
     cache = lm.new_cache()

@@ -1,6 +1,6 @@
-"""A decode step of Llama-style blocks as one kernel call (``tformer.engine.fused``, ``tformer::decode_blocks``): it computes
-what the modules compute (float32: up to the order of float32 additions; bfloat16 and int8: erring against a float64
-oracle no more than twice what the modules' path errs), writes the same cache, runs exactly where it should, and
+"""A decode step of Llama-style blocks as one kernel call (``tformer.engine.fused``, ``tformer::decode_blocks``): it
+computes what the modules compute (float32: up to the order of float32 additions; bfloat16 and int8: erring against a
+float64 oracle no more than twice what the modules' path errs), writes the same cache, runs exactly where it should, and
 compiles into a graph of one call for all blocks."""
 
 from __future__ import annotations
@@ -12,16 +12,12 @@ import torch
 
 from tformer import DecoderLM, TransformerConfig, generate, quantize
 from tformer.engine import fused, kernels
-from tformer.generation.static import StaticLM
+from tformer.generation.static import StaticLM, static_cache
 from tformer.models import pad_left
 
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("kernels_built")]
 FLOAT32 = 1e-5  # the library's bound for two float32 paths that differ in the order of their additions
 LLAMA = dict(position="rotary", norm="rms", ffn="gated", activation="silu", bias=False)
-
-
-@pytest.fixture(autouse=True)
-def built():
-    assert kernels.ready(), kernels.build_error()
 
 
 def llama(dtype=torch.float32, seed: int = 0, **changes) -> DecoderLM:
@@ -146,7 +142,7 @@ def test_the_fused_step_runs_only_where_it_computes_the_same_function():
     ):
         other = llama(**changes)
         assert not any(fused.fits(block) for block in other.decoder.stack.blocks), changes
-    cache = model.new_cache(16)
+    cache = static_cache(model, 16)
     for layer in cache:
         layer.self_kv.slots = torch.zeros(1, dtype=torch.long)  # a column of its own: not the one step of all blocks
     x = torch.zeros(2, 1, model.cfg.d_model)
@@ -170,7 +166,7 @@ def test_the_fused_step_runs_only_where_it_computes_the_same_function():
 def test_the_op_refuses_mismatched_arguments_by_name():
     model = llama()
     block = model.decoder.stack.blocks[0]
-    cache = model.new_cache(8)[0].self_kv
+    cache = static_cache(model, 8)[0].self_kv
     cache.slots = torch.tensor([8])
     keys = torch.ones(1, 8, dtype=torch.bool)
     D = model.cfg.d_model // model.cfg.num_heads

@@ -35,6 +35,7 @@ def test_the_layer_computes_with_the_dequantized_matrix(dtype, width):
     assert ours <= 2 * plain + 1e-6  # the fused int8 kernel rounds no worse than the plain same-dtype product
 
 
+@pytest.mark.kernels  # the engine's routes turned on (TFORMER_KERNELS=0 turns them off)
 @pytest.mark.parametrize("block_rows", [None, 7])  # the weight converted in one block, or in 7-row blocks (6 of 40)
 def test_many_rows_as_a_float32_gemm_on_the_exact_codes_within_a_float32_sums_roundoff(monkeypatch, block_rows):
     """Where the float32 route is on (forced here, so that any CPU checks it), a bfloat16 product of at least
@@ -63,6 +64,7 @@ def test_many_rows_as_a_float32_gemm_on_the_exact_codes_within_a_float32_sums_ro
         assert not kernels.uses_float32_int8_gemm(x.requires_grad_(True), layer.codes)
 
 
+@pytest.mark.kernels  # the engine's routes turned on (TFORMER_KERNELS=0 turns them off)
 @pytest.mark.parametrize("compile", [False, True])
 def test_float32_inputs_of_more_rows_than_the_kernel_takes_run_as_a_float32_gemm_of_the_codes(monkeypatch, compile):
     """A float32 prompt through int8 codes (more than ``max_rows(torch.int8)`` rows): a float32 GEMM on the exact
@@ -149,7 +151,7 @@ def test_quantize_replaces_every_linear_and_the_tied_head():
     assert weight_bytes(model) < before  # int8 codes replace float32 matrices (the float embedding stays)
     with pytest.raises(ValueError, match="already quantized"):
         quantize(model)
-    with pytest.raises(TypeError, match=r"for one layer use tformer\.quantization\.Int8Linear\.from_weight"):
+    with pytest.raises(TypeError, match=r"for one layer use tformer\.engine\.quantization\.Int8Linear\.from_weight"):
         quantize(nn.Linear(4, 4))  # replaced in its parent: a layer alone would come back unchanged
     with pytest.raises(ValueError, match="this Embedding has no nn.Linear layer to quantize"):
         quantize(nn.Embedding(4, 4))

@@ -15,8 +15,8 @@ from tformer.cli import main
 from tformer.experiments import report, trained
 from tformer.experiments._common import fmt_alike, fmt_range
 from tformer.experiments.trained import LayerStats, TrainedResult
+from tformer.tokenizers import ByteTokenizer
 from tformer.training.checkpoint import save_checkpoint
-from tformer.training.tokenizers import ByteTokenizer
 
 LINUX_PROC = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 
@@ -45,6 +45,13 @@ def nothing_runs(monkeypatch):
 def sections(page: str) -> list[tuple[str, list[str]]]:
     """Each ``## `` section of a report page: its heading and the images it shows."""
     return [(part.split("\n", 1)[0], re.findall(r"!\[[^\]]*\]\(([^)]+)\)", part)) for part in page.split("\n## ")[1:]]
+
+
+@pytest.fixture
+def minilm_path() -> Path:
+    from tformer.interop.shipped import shipped_path
+
+    return shipped_path("minilm")
 
 
 def one_line_error(err: str, command: str = "report") -> str:
@@ -208,8 +215,14 @@ def test_a_checkpoint_that_fails_to_load_late_leaves_the_out_folder_as_it_was(tm
     args = ["report", "--quick", "--only", "mha-params", "--checkpoint", str(bad), "--out"]
     assert main([*args, str(out)]) == 2
     stdout, err = capsys.readouterr()
-    assert "running mha-params" in stdout  # it failed late
-    assert f"{bad}: not a readable GGUF file" in one_line_error(err)
+    assert "Q2(a): Parameters of multi-head attention" in stdout  # it failed late, after the experiment ran
+    stages, error = err.splitlines(keepends=True)[:-1], err.splitlines(keepends=True)[-1]
+    assert [line.split(" ...")[0].split(" done in")[0] for line in stages] == [
+        "tformer report: [1/2] mha-params",
+        "tformer report: [1/2] mha-params",
+        f"tformer report: [2/2] trained: {bad}",
+    ]
+    assert f"{bad}: not a readable GGUF file" in one_line_error(error)
     assert sorted(p.name for p in out.iterdir()) == ["mha-params.png", "report.md"]
     assert (out / "report.md").read_text() == "the earlier page"
     assert (out / "mha-params.png").read_bytes() == b"the earlier picture"
@@ -236,6 +249,38 @@ def test_an_interrupted_report_leaves_nothing(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------------
 # --only trained
 # --------------------------------------------------------------------------------------------------
+def test_each_stage_says_on_stderr_what_it_runs_and_how_long_it_took(tmp_path, monkeypatch, capsys):
+    """Wherever stdout goes (a file, a pipe), stderr says what the report is doing: a line as each stage starts,
+    one with its time as it ends; the tables follow on stdout as each is done."""
+    monkeypatch.chdir(tmp_path)
+    tiny_run(Path("runs/a"))
+    assert main(["report", "--quick", "--only", "masking,trained", "--checkpoint", "runs/a", "--out", "rep"]) == 0
+    out, err = capsys.readouterr()
+    assert re.fullmatch(
+        r"tformer report: \[1/2\] masking \.\.\.\n"
+        r"tformer report: \[1/2\] masking done in \d+\.\d s\n"
+        r"tformer report: \[2/2\] trained: runs/a \.\.\.\n"
+        r"tformer report: \[2/2\] trained: runs/a done in \d+\.\d s\n",
+        err,
+    ), err
+    assert out.index("Q3(a)") < out.index("Trained") < out.index("wrote rep/report.md")
+    assert main(["experiment", "mha-params", "--quick", "--out", "exp"]) == 0
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"tformer experiment: running mha-params \(quick sizes\) \.\.\.\n"
+        r"tformer experiment: mha-params done in \d+\.\d s\n",
+        err,
+    ), err
+
+
+def test_the_page_names_a_shipped_model_so_its_command_reruns_anywhere(minilm_path):
+    """The page's command, and each section's, names a model tformer ships by its name (``--checkpoint minilm``),
+    not by one machine's site-packages folder: rerunning it rebuilds the same sections."""
+    assert report.shown_path(minilm_path) == "minilm"
+    assert report.shown_path("runs/a") == "runs/a"
+    assert report.shown_path("/x/lib/site-packages/pkg/model") == "<site-packages>/pkg/model"
+
+
 def test_only_trained_combines_with_experiment_names(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     tiny_run(Path("runs/a"))

@@ -14,9 +14,9 @@ from tests.experiments.test_report import tiny_run
 from tformer import EncoderDecoder, TransformerConfig
 from tformer.cli import main
 from tformer.experiments import trained
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 from tformer.training.checkpoint import load_checkpoint, save_checkpoint
 from tformer.training.tasks import SequenceTask
-from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 
 
 def task_run(out: Path, task: str = "reverse") -> Path:

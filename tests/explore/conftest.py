@@ -12,8 +12,8 @@ import torch
 from tformer import DecoderLM, TransformerConfig
 from tformer.explore.analysis import open_model
 from tformer.explore.server import ExploreServer
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
 from tformer.training.checkpoint import save_checkpoint
-from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
 
 CHARS = "abcdefghijklmnopqrstuvwxyzT .,"  # "T": the page's default prompt is "The Transformer"
 

@@ -126,6 +126,36 @@ def test_cli_prints_the_url_and_warns_on_another_host(lm_checkpoint, monkeypatch
     assert "warning: serving on 0.0.0.0, not loopback" in err
 
 
+def test_cli_on_a_damaged_newest_checkpoint_names_the_good_older_one_as_sample_does(
+    peaky, tmp_path, monkeypatch, capsys
+):
+    from tformer import DecoderLM, TransformerConfig
+    from tformer.explore.analysis import open_model
+    from tformer.tokenizers import CharTokenizer
+    from tformer.training.checkpoint import WEIGHTS, CheckpointError, save_checkpoint
+
+    tok = CharTokenizer("abc ")
+    model = peaky(DecoderLM(TransformerConfig.tiny(vocab_size=tok.vocab_size)))
+    for step in (10, 20):
+        save_checkpoint(tmp_path, model=model, tokenizer=tok, kind="lm", step=step, train_config={}, keep=2)
+    root = tmp_path / "checkpoints"
+    weights = root / "step-000020" / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    hint = f"the newest checkpoint {root / 'step-000020'} is damaged ("
+    good = f"delete it, or pass --checkpoint {root / 'step-000010'}"
+    with pytest.raises(CheckpointError) as caught:
+        open_model(tmp_path)
+    assert str(caught.value).startswith(hint) and str(caught.value).endswith(good)
+
+    assert run_cli_briefly(monkeypatch, ["--checkpoint", str(tmp_path), "--port", "0"]) == 2
+    explore_err = capsys.readouterr().err
+    assert main(["sample", "--checkpoint", str(tmp_path), "--prompt", "ab"]) == 2
+    sample_err = capsys.readouterr().err
+    assert explore_err.startswith(f"tformer explore: error: {hint}") and explore_err.rstrip().endswith(good)
+    assert explore_err.removeprefix("tformer explore") == sample_err.removeprefix("tformer sample")  # one hint
+    assert run_cli_briefly(monkeypatch, ["--checkpoint", str(root / "step-000010"), "--port", "0"]) == 0
+
+
 def test_cli_errors_are_one_line(lm_checkpoint, tmp_path, monkeypatch, capsys):
     assert run_cli_briefly(monkeypatch, ["--checkpoint", str(tmp_path / "none")]) == 2
     assert "tformer explore: error:" in capsys.readouterr().err

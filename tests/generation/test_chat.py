@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from tformer import ChatTemplateError, chat_prompt
-from tformer.training.tokenizers import HFTokenizer
+from tformer.tokenizers import HFTokenizer
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -18,7 +18,7 @@ from tformer.generation.sampling import (
     top_p_filter,
 )
 from tformer.models import pad_left
-from tformer.training.tokenizers import CharTokenizer
+from tformer.tokenizers import CharTokenizer
 
 POSITIONS = ["sinusoidal", "rotary", "learned", "none"]
 VOCAB = 32
@@ -357,7 +357,7 @@ def test_token_ids_may_be_any_integers_and_greedy_ignores_the_sampling_settings(
 
 def test_a_lone_stop_string_is_one_stop_not_one_per_character(random_lm):
     """``stop="ab"`` iterated as ``["a", "b"]`` ended rows at either character."""
-    from tformer.training.tokenizers import CharTokenizer
+    from tformer.tokenizers import CharTokenizer
 
     model = random_lm()
     tokenizer = CharTokenizer([chr(ord("a") + i) for i in range(VOCAB)], unknown="error")

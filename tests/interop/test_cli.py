@@ -81,8 +81,9 @@ def test_convert_gguf_to_hf_to_run_to_hf_keeps_the_model(tiny_gguf, tmp_path, ca
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask).logits
 
-    code, out, _ = cli(capsys, "convert", str(path), "--out", str(tmp_path / "hf"))
+    code, out, err = cli(capsys, "convert", str(path), "--out", str(tmp_path / "hf"))
     assert code == 0 and "Hugging Face model directory" in out
+    assert err == f"tformer convert: converting {path.name} into {tmp_path / 'hf'} ...\n"  # the long step, said
     hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
     with torch.no_grad():
@@ -158,8 +159,8 @@ def test_convert_refuses_an_encoder_as_a_run_and_writes_nothing(saved, tmp_path,
 def test_convert_of_a_trained_seq2seq_run_says_no_train_flag_makes_it_exportable(random_seq2seq, tmp_path, capsys):
     """tformer train's seq2seq runs have RoPE-style interleaved pairs and no logits bias, which no train flag
     changes: the refusal says so and where the run can be used, and writes nothing."""
+    from tformer.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
     from tformer.training.checkpoint import save_checkpoint
-    from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
 
     tok = CharTokenizer("abc", SEQ2SEQ_SPECIALS)
     model = random_seq2seq(vocab=tok.vocab_size, dtype=torch.float32)

@@ -20,7 +20,7 @@ from tests.interop.hf_models import TOL, batch, ours, real_error, theirs, tiny_h
 from tformer.functional import apply_rotary
 from tformer.interop import InteropError, load_pretrained, save_pretrained
 from tformer.interop.gguf import cache_folder, cached_directory, permute, unpermute
-from tformer.training.tokenizers import tokenizer_from_dict
+from tformer.tokenizers import tokenizer_from_dict
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 

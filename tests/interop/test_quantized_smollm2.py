@@ -3,8 +3,8 @@
 Measured (this file's numbers): perplexity 86.97 (bfloat16) and 87.85 (int8) on :data:`TEXT` (166 tokens), +1.0%.
 Greedy tokens on the four prompts, 32 each, position by position (a sequence that diverges goes on as a paraphrase, so
 a share counts the positions before and after): int8 agrees with bfloat16 on 84% and with float32 on 88%; bfloat16
-itself agrees with float32 on 94%. (Before the bfloat16 matrix-vector kernel, ``tformer.engine.kernels``, bfloat16 decoded
-through oneDNN's ``F.linear``: it agreed with float32 on 83% and with int8 on 95%. Summation order alone moves a
+itself agrees with float32 on 94%. (Before the bfloat16 matrix-vector kernel, ``tformer.engine.kernels``, bfloat16
+decoded through oneDNN's ``F.linear``: it agreed with float32 on 83% and with int8 on 95%. Summation order alone moves a
 greedy path; the kernel's bfloat16 is the closer one to float32.)"""
 
 from __future__ import annotations

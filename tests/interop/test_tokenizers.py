@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from tformer import DecoderLM, TransformerConfig, save_pretrained
-from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, BPETokenizer
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, BPETokenizer
 
 TEXTS = [
     "Hello, world!",

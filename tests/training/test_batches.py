@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from tformer.tokenizers import BOS_ID as BOS
+from tformer.tokenizers import EOS_ID as EOS
+from tformer.tokenizers import PAD_ID as PAD
 from tformer.training.batches import LMBatches, Seq2SeqBatches
 from tformer.training.tasks import SequenceTask
-from tformer.training.tokenizers import BOS_ID as BOS
-from tformer.training.tokenizers import EOS_ID as EOS
-from tformer.training.tokenizers import PAD_ID as PAD
 
 
 def test_lm_batches_are_a_pure_function_of_seed_and_index():

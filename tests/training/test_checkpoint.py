@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tformer import DecoderLM, EncoderDecoder, TransformerConfig
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 from tformer.training.checkpoint import (
     CheckpointError,
     find_latest,
@@ -24,7 +25,6 @@ from tformer.training.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
-from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 
 
 def _save(out, kind="lm", step=7, **kwargs):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tformer.training.corpus as data
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 from tformer.training.corpus import (
     DOC_SEPARATOR,
     corpus_files,
@@ -20,7 +21,6 @@ from tformer.training.corpus import (
     stdlib_root,
     tokenize_corpus,
 )
-from tformer.training.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 
 
 @pytest.fixture
@@ -194,3 +194,14 @@ def test_char_corpus_matches_plain_encoding(folder, tmp_path):
     corpus = tokenize_corpus(files, tok, cache_dir=tmp_path)
     whole = DOC_SEPARATOR.join(f.read_bytes().decode() for f in files)
     assert corpus.tokens.tolist() == tok.encode(whole)
+
+
+def test_a_first_tokenization_says_so_and_a_cached_one_is_silent(folder, tmp_path):
+    """Tokenizing a large corpus takes a while the first time: ``note`` is told before it starts, naming the cache
+    (the trainer prints it on stderr, wherever that goes); the next run reads the cache and says nothing."""
+    notes: list[str] = []
+    files = corpus_files(folder)
+    tokenize_corpus(files, ByteTokenizer(), cache_dir=tmp_path / "cache", note=notes.append)
+    assert notes == [f"data: tokenizing 3 file(s), 0.0 MiB (first use; cached in {tmp_path / 'cache'})"]
+    tokenize_corpus(files, ByteTokenizer(), cache_dir=tmp_path / "cache", note=notes.append)
+    assert len(notes) == 1

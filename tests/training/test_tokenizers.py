@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tformer.training.tokenizers import (
+from tformer.tokenizers import (
     SEQ2SEQ_SPECIALS,
     UNK_TOKEN,
     BPETokenizer,
@@ -137,3 +137,10 @@ def test_lone_surrogate_is_rejected_clearly(bpe):
             tok.encode("a\ud800")
         with pytest.raises(ValueError, match="lone surrogate"):
             tok.encode_array("a\ud800")
+
+
+def test_char_tokenizer_names_the_characters_it_does_not_know():
+    tok = CharTokenizer("abc", unknown="unk")
+    assert tok.unknown_chars("abcab") == []
+    assert tok.unknown_chars("xaybxz") == ["x", "y", "z"]  # each once, in order of first appearance
+    assert tok.encode("xa") == [tok.specials.index(UNK_TOKEN), tok.encode("a")[0]]

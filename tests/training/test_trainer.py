@@ -16,12 +16,12 @@ import torch
 from tformer.cli import build_parser
 from tformer.cli.train import config_from_args
 from tformer.config import ConfigError
+from tformer.runtime import resolve_device
 from tformer.training import TrainConfig, TrainingError, run_lock, train
 from tformer.training.checkpoint import CheckpointError, find_latest, load_checkpoint, read_manifest
 from tformer.training.datasets import task_held_out
 from tformer.training.demos import sample_text
 from tformer.training.optim import lr_at, make_optimizer
-from tformer.training.runtime import resolve_device
 from tformer.training.tasks import SequenceTask
 
 

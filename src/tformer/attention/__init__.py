@@ -10,22 +10,21 @@ library's mask convention (:mod:`tformer.functional`), and has the signature of 
 name        what                                                                        dropout  devices
 ==========  ==========================================================================  =======  ===================
 reference   :func:`tformer.functional.reference_attention`: scores materialized, O(L S)  yes      any
-sdpa        :func:`tformer.attention.sdpa.sdpa_attention`: PyTorch's fused kernels       yes      any
+sdpa        :func:`sdpa_attention`: PyTorch's fused kernels, under two rules             yes      any
 tiled       :func:`tformer.attention.tiled.tiled_attention`: online softmax in PyTorch   no       any
 triton      :func:`tformer.attention.triton.triton_attention`: the same as Triton kernels no       CUDA (or Triton's
                                                                                                  CPU interpreter)
 ==========  ==========================================================================  =======  ===================
 
-``"auto"`` is the rule :func:`auto_backend`: PyTorch's SDPA, on every device. On the CPU its fused flash kernel was the
-fastest exact backend measured (BENCHMARKS.md, "Attention": tiled forward+backward 1.04-1.06x its time on one thread,
-1.08-1.21x on two); on CUDA it runs FlashAttention-2, memory-efficient or cuDNN kernels, and Triton is not chosen until
-it has been measured against them on a GPU. On the CPU, ``sdpa`` hands decode calls (at most
-``tformer.engine.kernels.MAX_ROWS`` query rows, no gradient, a boolean mask) to tformer's attention kernel,
-:func:`tformer.engine.kernels.attention` (the rules are :mod:`tformer.attention.sdpa`'s).
+``"auto"`` is the rule :func:`auto_backend`: PyTorch's SDPA, on every device (the fastest exact backend measured on
+the CPU, and on CUDA FlashAttention-2, memory-efficient or cuDNN kernels; BENCHMARKS.md, "Attention").
+
+Other packages add backends with :func:`register` (the engine's CPU decode kernel: :mod:`tformer.engine`); a model
+takes one by name like the built-in ones. ``TransformerConfig.attn_backend``'s choices are ``("auto", *BUILTIN)``
+(:data:`BACKEND_NAMES`; a test holds them equal).
 
 :func:`scaled_dot_product_attention` checks its arguments and dispatches; :func:`attend` dispatches without the
 checks, for callers whose tensors are right by construction (:class:`tformer.layers.MultiHeadAttention`).
-``TransformerConfig.attn_backend``'s choices are ``("auto", *BACKENDS)`` (a test holds them equal).
 """
 
 from __future__ import annotations
@@ -33,14 +32,57 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from tformer.attention.sdpa import sdpa_attention
 from tformer.attention.tiled import tiled_attention
 from tformer.attention.triton import triton_attention
-from tformer.functional import check_attention_args, reference_attention
+from tformer.functional import check_attention_args, merge_masks, reference_attention
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool, "float | None", float], Tensor]
+
+
+# Longest key sequence for which bfloat16 attention on the CPU runs faster in float32 (see below).
+CPU_BF16_FLOAT32_MAX_KEYS = 256
+
+
+def cpu_attention_in_float32(query: Tensor, key: Tensor) -> bool:
+    """Whether PyTorch's CPU attention kernel is faster on these half-precision inputs cast to float32: float16
+    always (its half-precision path is slow at every length), bfloat16 up to :data:`CPU_BF16_FLOAT32_MAX_KEYS` keys
+    (its backward's fixed cost dominates short sequences). Measured: BENCHMARKS.md, "Attention"; the casts are O(n)
+    and float32 is the more accurate of the two."""
+    if query.dtype not in (torch.float16, torch.bfloat16) or query.device.type != "cpu":  # float32 decides first
+        return False
+    return query.dtype == torch.float16 or key.shape[-2] <= CPU_BF16_FLOAT32_MAX_KEYS
+
+
+def sdpa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """``softmax(Q K^T * scale + mask) V`` on PyTorch's fused kernels (flash, memory-efficient, cuDNN or the C++ CPU
+    flash kernel, as PyTorch picks) under two rules: ``attn_mask`` together with ``is_causal`` (PyTorch refuses the
+    pair) merged into one mask, and half precision on the CPU computed in float32 where :func:`cpu_attention_in_float32`
+    says it is faster (cast back: callers see their own dtype). Grouped-query heads go through PyTorch's
+    ``enable_gqa``."""
+    if cpu_attention_in_float32(query, key):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 inputs back down
+            out = sdpa_attention(query.float(), key.float(), value.float(), attn_mask, is_causal, scale, dropout_p)
+        return out.to(query.dtype)
+    if attn_mask is not None and is_causal:
+        attn_mask, is_causal = merge_masks(attn_mask, True, query.shape[-2], key.shape[-2]), False
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        attn_mask = attn_mask.to(query.dtype)
+    gqa = query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+    )
 
 
 @dataclass(frozen=True)
@@ -61,13 +103,24 @@ def _without_dropout(fn: Callable[..., Tensor]) -> AttentionFn:
     return run
 
 
-BACKENDS: dict[str, Backend] = {
-    "reference": Backend("reference", reference_attention, dropout=True),
-    "sdpa": Backend("sdpa", sdpa_attention, dropout=True),
-    "tiled": Backend("tiled", _without_dropout(tiled_attention), dropout=False),
-    "triton": Backend("triton", _without_dropout(triton_attention), dropout=False),
-}
-BACKEND_NAMES: tuple[str, ...] = ("auto", *BACKENDS)
+BUILTIN: tuple[Backend, ...] = (
+    Backend("reference", reference_attention, dropout=True),
+    Backend("sdpa", sdpa_attention, dropout=True),
+    Backend("tiled", _without_dropout(tiled_attention), dropout=False),
+    Backend("triton", _without_dropout(triton_attention), dropout=False),
+)
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in BUILTIN}  # and those :func:`register` adds
+BACKEND_NAMES: tuple[str, ...] = ("auto", *(backend.name for backend in BUILTIN))
+
+
+def register(backend: Backend) -> Backend:
+    """Add ``backend`` to :data:`BACKENDS` under its name (registering the same object again does nothing);
+    ``ValueError`` for ``"auto"`` or a name another backend has."""
+    known = BACKENDS.get(backend.name)
+    if backend.name == "auto" or (known is not None and known is not backend):
+        raise ValueError(f"an attention backend named {backend.name!r} exists already; choose another name")
+    BACKENDS[backend.name] = backend
+    return backend
 
 
 def auto_backend() -> str:
@@ -99,7 +152,7 @@ def attend(
 
     For callers whose query, key and value are right by construction, such as
     :class:`tformer.layers.MultiHeadAttention`: decoding one token is ~100 small calls, and the checks
-    cost ~5 us per attention call (~3% of a decode step of the benchmark model).
+    cost a few microseconds per call, a few percent of a decode step.
     """
     if dropout_p > 0.0 and not backend.dropout:
         raise ValueError(
@@ -143,10 +196,15 @@ def scaled_dot_product_attention(
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
+    "BUILTIN",
+    "CPU_BF16_FLOAT32_MAX_KEYS",
     "AttentionFn",
     "Backend",
     "attend",
     "auto_backend",
+    "cpu_attention_in_float32",
+    "register",
     "resolve",
     "scaled_dot_product_attention",
+    "sdpa_attention",
 ]

@@ -1,9 +1,11 @@
 """The ``tformer`` command line: a thin skin over importable functions.
 
 Each command module contributes ``add_cli(subparsers)``, which registers its parser and sets
-``func(args) -> exit code``. Ctrl-C outside a training loop (which saves and stops by itself) ends the command
-with exit status 130, as the shell reports a process stopped by SIGINT; during the imports of torch it is held
-back until they are done (:func:`_ctrl_c_held_back`).
+``func(args) -> exit code`` (and ``needs_torch=False`` for a command that runs without torch). The parsers are built
+without importing torch (the command modules import it inside their functions), so ``--help`` and a mistyped
+command answer at once. Ctrl-C outside a training loop (which saves and stops by itself) ends the command with exit
+status 130, as the shell reports a process stopped by SIGINT; during the import of torch, after parsing, it is held
+back until that is done (:func:`_ctrl_c_held_back`).
 
 Output that cannot be written ends the command without a traceback: a reader that went away (``tformer sample
 ... | head``) quietly with exit status 141, as the shell reports a process stopped by SIGPIPE; anything else (a
@@ -33,6 +35,7 @@ COMMAND_MODULES = [
     "tformer.cli.embed",
     "tformer.cli.convert",
     "tformer.cli.explore",
+    "tformer.cli.kernels",
 ]
 DESCRIPTION = "The tformer command line: train, sample and study Transformers. tformer COMMAND --help lists its flags."
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by SIGINT"
@@ -133,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = _GuardedStdout(stdout)
     try:
         try:
-            with _ctrl_c_held_back():  # the command modules import torch
-                parser = build_parser()
-            args = parse(parser, argv)
+            args = parse(build_parser(), argv)  # no torch yet: --help and a mistyped command answer at once
+            if getattr(args, "needs_torch", True):
+                with _ctrl_c_held_back():  # the command's imports; Ctrl-C meanwhile ends it once they are done
+                    importlib.import_module("torch")
             return int(args.func(args) or 0)
         finally:  # what is still buffered (stdout is a pipe or a file) fails here, inside the handlers below
             if sys.stdout is not None:

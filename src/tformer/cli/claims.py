@@ -65,7 +65,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         epilog=CLI_EPILOG,
     )
     add_arguments(parser)
-    parser.set_defaults(func=run_cli, prog_name="tformer verify-claims")
+    parser.set_defaults(func=run_cli, prog_name="tformer verify-claims", needs_torch=False)  # sympy, in workers
     return parser
 
 

@@ -81,18 +81,33 @@ def torch_dtype(name: str | None):
     return None if name is None else getattr(torch, name)
 
 
-def load_model(path: str, kind: str, device: str, command: str, dtype: str | None = None) -> Loaded:
-    """The model at ``path`` (a tformer run or checkpoint, a Hugging Face directory or a ``.gguf`` file) on
-    ``device``, in ``dtype`` (``None``: as saved); it must be a ``kind`` model and have a tokenizer."""
-    from tformer.interop import is_pretrained
-    from tformer.engine.memory import pack_weights
-    from tformer.training.runtime import resolve_device
+def checkpoint_path(checkpoint: str) -> str:
+    """``--checkpoint`` as a path: the name of a model tformer ships (``smollm2``, ``minilm``) becomes its installed
+    file (a path that exists wins); ``ValueError`` for neither an existing path nor a known name (listing the names),
+    or for a known name whose package is not installed (naming it)."""
+    from tformer.interop import shipped
 
+    if Path(checkpoint).exists():
+        return checkpoint  # as given: messages name it as the user wrote it
+    path = shipped.locate(checkpoint)
+    if not path.exists():
+        raise ValueError(shipped.missing(checkpoint))
+    return str(path)
+
+
+def load_model(path: str, kind: str, device: str, command: str, dtype: str | None = None) -> Loaded:
+    """The model at ``path`` (a tformer run or checkpoint, a Hugging Face directory, a ``.gguf`` file, or a shipped
+    model's name) on ``device``, in ``dtype`` (``None``: as saved); it must be a ``kind`` model and have a tokenizer."""
+    from tformer.engine import accelerate, pack_weights
+    from tformer.interop import is_pretrained
+    from tformer.runtime import resolve_device
+
+    path = checkpoint_path(path)
     if not is_pretrained(path):
         ckpt = load_run(path, kind, device, command)
         if dtype is not None:
             ckpt.model.to(torch_dtype(dtype))
-        pack_weights(ckpt.model)  # as load_pretrained does: one block of memory for decoding
+        pack_weights(accelerate(ckpt.model))  # as load_pretrained does: the kernels, one block of memory
         eos, start = ckpt.special_ids()
         return Loaded(ckpt.model, ckpt.tokenizer, ckpt.path, eos, start)
     from tformer.interop import MODEL_CLASSES, load_pretrained
@@ -129,13 +144,10 @@ def note_first_conversion(path: str, command: str) -> None:
 def load_run(path: str, kind: str | None, device: str, command: str):
     """The checkpoint at ``path`` (a checkpoint or a run directory) on ``device``, which must hold a ``kind`` model
     (``None``: any)."""
-    from tformer.training.checkpoint import CheckpointError, load_checkpoint
-    from tformer.training.runtime import resolve_device
+    from tformer.runtime import resolve_device
+    from tformer.training.resume import load_newest
 
-    try:
-        ckpt = load_checkpoint(path, map_location=resolve_device(device))
-    except CheckpointError as err:
-        raise _damaged_latest_error(path, err) from err
+    ckpt = load_newest(path, map_location=resolve_device(device))  # a damaged newest checkpoint: names an older one
     if kind is not None and ckpt.kind != kind:
         other = OTHER_COMMAND[ckpt.kind]
         raise ValueError(
@@ -143,34 +155,6 @@ def load_run(path: str, kind: str | None, device: str, command: str):
             f"({kind!r}): use `tformer {other}`"
         )
     return ckpt
-
-
-def _damaged_latest_error(path: str, err: Exception) -> Exception:
-    """For ``path`` a run directory (or its ``checkpoints`` folder) whose newest checkpoint failed to load with
-    ``err``: an error that also names the newest earlier checkpoint that verifies, to pass as --checkpoint.
-    ``err`` itself for a specific checkpoint directory, or when there is no earlier one."""
-    from tformer.training.checkpoint import (
-        CHECKPOINTS_DIR,
-        MANIFEST,
-        CheckpointError,
-        last_good_checkpoint,
-        list_checkpoints,
-    )
-
-    root = Path(path)
-    if (root / MANIFEST).exists():  # a specific checkpoint: the user chose it, there is nothing to fall back to
-        return err
-    found = list_checkpoints(root / CHECKPOINTS_DIR) or list_checkpoints(root)  # as load_checkpoint looks
-    if not found:
-        return err
-    older = last_good_checkpoint(found[:-1])
-    if older is not None:
-        return CheckpointError(
-            f"the newest checkpoint {found[-1]} is damaged ({err}); delete it, or pass --checkpoint {older}"
-        )
-    return CheckpointError(
-        f"the newest checkpoint {found[-1]} is damaged ({err}); no earlier checkpoint of {path} verifies"
-    )
 
 
 def report_errors(command: str, run: Callable[[], int]) -> int:

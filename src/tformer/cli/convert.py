@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from tformer.cli.common import DTYPES, dtype_flag, load_run, report_errors, torch_dtype
+from tformer.cli.common import DTYPES, checkpoint_path, dtype_flag, load_run, report_errors, torch_dtype
 
 
 def add_cli(subparsers) -> None:
@@ -26,7 +27,11 @@ def add_cli(subparsers) -> None:
         description="GGUF file -> Hugging Face directory; tformer run -> Hugging Face directory; Hugging Face "
         "directory -> tformer run. --out must not exist or be an empty folder; nothing is written on error.",
     )
-    p.add_argument("src", help="a .gguf file, a tformer run or checkpoint directory, or a Hugging Face directory")
+    p.add_argument(
+        "src",
+        help="a .gguf file, a tformer run or checkpoint directory, a Hugging Face directory, or a shipped model's name "
+        "(smollm2, minilm)",
+    )
     p.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
     p.add_argument(
         "--dtype",
@@ -52,16 +57,21 @@ def _check_out(out: str) -> Path:
     return Path(out)
 
 
-def convert(src: str, out: str, dtype: str | None = None) -> tuple[Path, str]:
-    """Convert ``src`` into ``out``; returns the path written and what it now holds, in words."""
+def convert(
+    src: str, out: str, dtype: str | None = None, note: Callable[[str], None] | None = None
+) -> tuple[Path, str]:
+    """Convert ``src`` into ``out``; returns the path written and what it now holds, in words. ``note`` gets a
+    line as the conversion of a GGUF file starts (tens of seconds for a 100M-parameter model)."""
     from tformer.interop import InteropError, is_pretrained, load_pretrained, save_pretrained
     from tformer.models import DecoderLM
 
     path = _check_out(out)
-    if not Path(src).exists():
-        raise ValueError(f"{src}: no such file or directory")
+    src = checkpoint_path(src)  # a shipped model's name (smollm2, minilm): its installed file
     if Path(src).suffix == ".gguf" and Path(src).is_file():
-        from tformer.interop.gguf import convert_gguf
+        from tformer.interop.gguf import convert_gguf, has_gguf_magic
+
+        if note and has_gguf_magic(Path(src)):  # the long case: every tensor dequantized and written
+            note(f"converting {Path(src).name} into {path} ...")
 
         stored = torch_dtype(dtype or "float32")
         return convert_gguf(Path(src), path, stored), f"a Hugging Face model directory ({dtype or 'float32'})"
@@ -145,7 +155,12 @@ def _to_run(pretrained, path: Path) -> Path:
 
 def _run_convert(args: argparse.Namespace) -> int:
     def run() -> int:
-        written, what = convert(args.src, args.out, args.dtype)
+        written, what = convert(
+            args.src,
+            args.out,
+            args.dtype,
+            note=lambda line: print(f"tformer convert: {line}", file=sys.stderr, flush=True),
+        )
         print(f"wrote {what} to {written}")
         if what.startswith("a tformer language-model run"):  # weights alone: --resume has nothing to continue
             print(f"to train it further: tformer train --out NEW_RUN --init-from {written} --data YOUR_TEXT")

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 
 from tformer.cli.flags import add_train_flags, given_settings
-from tformer.training import demos
-from tformer.training.checkpoint import CheckpointError
-from tformer.training.runtime import TrainingError
+from tformer.training.presets import DEMO, DEMO_MODEL, SEQ2SEQ_DEMO
 
 EXIT_INTERRUPTED = 130
 DEMO_TASKS = ["reverse", "sort", "copy"]
@@ -32,7 +30,7 @@ def add_cli(subparsers) -> None:
         "only if it holds an earlier train-demo run.",
     )
     d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo; replaced each time)")
-    add_train_flags(d, only=("steps", "progress"), defaults=demos.DEMO)
+    add_train_flags(d, only=("steps", "progress"), defaults=DEMO)
     d.add_argument("--prompt", default="def ", help="the start of the sample (default 'def ')")
     d.add_argument("--sample-tokens", type=int, default=400, help="bytes to sample (default 400)")
     d.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, > 0 (default 0.8)")
@@ -51,11 +49,14 @@ def add_cli(subparsers) -> None:
         choices=DEMO_TASKS,
         help="default reverse (add trains with tformer train --task add: the examples print digits)",
     )
-    add_train_flags(p, only=("steps", "batch_size", "lr", "seed"), defaults=dict(steps=1500, batch_size=64, lr=2e-3))
+    add_train_flags(p, only=("steps", "batch_size", "lr", "seed"), defaults=SEQ2SEQ_DEMO)
     p.set_defaults(func=_run_demo)
 
 
 def _errors(command: str, run) -> int:
+    from tformer.training.checkpoint import CheckpointError
+    from tformer.training.runtime import TrainingError
+
     try:
         return run()
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as err:
@@ -74,6 +75,7 @@ def _train_demo(args: argparse.Namespace) -> int:
     import shutil
 
     from tformer.cli.train import summary
+    from tformer.training import demos
     from tformer.training.checkpoint import load_checkpoint
     from tformer.training.trainer import train
 
@@ -85,14 +87,15 @@ def _train_demo(args: argparse.Namespace) -> int:
     if args.plot_copy is not None and Path(args.plot_copy).is_dir():
         raise ValueError(f"--plot-copy {args.plot_copy} is a directory; give a file name such as demo_loss.png")
     given, _ = given_settings(args)
-    cfg = demos.demo_config(args.out, given.get("steps", demos.DEMO["steps"]), given.get("progress", True))
+    cfg = demos.demo_config(args.out, given.get("steps", DEMO["steps"]), given.get("progress", True))
     cfg.validate()
     out = Path(args.out)
     demos.clear_demo_run(out, cfg)
-    model = demos.DEMO_MODEL
+    model = DEMO_MODEL
     print(
         f"training a {model['num_layers']}-layer GPT (d_model {model['d_model']}, context {cfg.block_size} bytes) on "
-        f"the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves"
+        f"the Python stdlib, {cfg.steps} steps; Ctrl-C stops and saves",
+        flush=True,  # seen at once when stdout is a pipe or a file (make demo | tee)
     )
     start = time.perf_counter()
     result = train(cfg)
@@ -109,8 +112,10 @@ def _train_demo(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace) -> int:
     def run() -> int:
+        from tformer.training import demos
+
         given, _ = given_settings(args)
-        settings = dict(steps=1500, batch_size=64, lr=2e-3, seed=0)
+        settings = dict(SEQ2SEQ_DEMO)
         settings.update({k: v for k, v in given.items() if k in settings})
         demos.reverse_config(args.task, **settings).validate()  # every flag, before a minute of training
         result = demos.run_demo(task=args.task, **settings)

@@ -2,9 +2,13 @@
 
 tformer experiment scaling --out out/experiments     # one experiment: prints its table, writes its PNG
 tformer experiment --list                            # the experiments and the questions they answer
-tformer report --out docs/report [--quick]           # all of them, and report.md
-tformer report --only trained --checkpoint MODEL     # the claims on a trained checkpoint's weights
+tformer report --out runs/report [--quick]           # all of them, and report.md (default --out out/report)
+tformer report --out runs/report --checkpoint smollm2 --checkpoint minilm  # and the claims on trained weights
+tformer report --only trained --checkpoint MODEL     # those alone (a run, a Hugging Face folder, a GGUF file)
 tformer report --only scaling,trained --checkpoint MODEL  # with some experiments
+
+Each stage says on stderr when it starts and how long it took, so a long run is never silent (stdout holds the
+tables, and may be a file).
 
 Everything is checked before any experiment runs (the names, each --checkpoint's kind, that --out can be made and
 written); bad input is one line on stderr and exit code 2, with nothing written.
@@ -17,7 +21,6 @@ import sys
 from pathlib import Path
 
 from tformer.experiments import EXPERIMENTS, load
-from tformer.experiments.report import OutputFolderError, format_console, write_experiment, write_report
 
 TRAINED = "trained"  # in --only: the --checkpoint sections
 
@@ -58,8 +61,8 @@ def add_cli(subparsers) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="also measure the claims on this trained model (a tformer run, a Hugging Face directory or a GGUF file); "
-        "repeatable",
+        help="also measure the claims on this trained model (a tformer run, a Hugging Face directory, a GGUF file, or "
+        "smollm2 / minilm: the shipped models; the committed report has both); repeatable",
     )
     r.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**63) (default: each experiment's own)")
     r.set_defaults(func=_run_report)
@@ -91,6 +94,8 @@ def _only(args: argparse.Namespace) -> list[str] | None:
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
+    from tformer.experiments.report import OutputFolderError, format_console, write_experiment
+
     if args.list:
         for name in EXPERIMENTS:
             module = load(name)
@@ -104,8 +109,9 @@ def _run_experiment(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tformer experiment: error: {exc}", file=sys.stderr)
         return 2
+    size = "quick" if args.quick else "report"
     try:
-        run = write_experiment(args.name, args.out, "quick" if args.quick else "report", args.seed)
+        run = write_experiment(args.name, args.out, size, args.seed, progress=_progress("experiment"))
     except OutputFolderError as exc:
         print(f"tformer experiment: error: --out {exc}", file=sys.stderr)
         return 2
@@ -113,20 +119,40 @@ def _run_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(command: str):
+    """A line on stderr as each stage starts and ends, flushed: seen whether or not stdout is a terminal."""
+    return lambda message: print(f"tformer {command}: {message}", file=sys.stderr, flush=True)
+
+
 def _run_report(args: argparse.Namespace) -> int:
+    from tformer.cli.common import checkpoint_path
+
     try:
         names = _only(args)
-        for path in args.checkpoint:
-            if not Path(path).exists():
-                raise ValueError(f"--checkpoint {path}: no such file or directory")
+        checkpoints = []
+        for path in args.checkpoint:  # smollm2, minilm: the installed files
+            try:
+                checkpoints.append(checkpoint_path(path))
+            except ValueError as err:
+                raise ValueError(f"--checkpoint {err}") from None
         _check_seed(args)
     except ValueError as exc:
         print(f"tformer report: error: {exc}", file=sys.stderr)
         return 2
+    from tformer.experiments.report import OutputFolderError, write_report
     from tformer.training.checkpoint import CheckpointError
 
+    size = "quick" if args.quick else "report"
     try:  # checks each checkpoint's kind and --out before running anything; writes nothing if it fails later
-        write_report(args.out, "quick" if args.quick else "report", names, args.seed, checkpoints=args.checkpoint)
+        write_report(
+            args.out,
+            size,
+            names,
+            args.seed,
+            echo=lambda text: print(text, flush=True),
+            checkpoints=checkpoints,
+            progress=_progress("report"),
+        )
     except OutputFolderError as exc:
         print(f"tformer report: error: --out {exc}", file=sys.stderr)
         return 2

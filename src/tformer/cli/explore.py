@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tformer.cli.common import add_device_flags, apply_quantize, note_first_conversion, report_errors, torch_dtype
+from tformer.cli.common import (
+    add_device_flags,
+    apply_quantize,
+    checkpoint_path,
+    note_first_conversion,
+    report_errors,
+    torch_dtype,
+)
 
 
 def add_cli(subparsers) -> None:
@@ -23,7 +30,8 @@ def add_cli(subparsers) -> None:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a tformer run or checkpoint, a Hugging Face directory or a GGUF file (a language or seq2seq model)",
+        help="a tformer run or checkpoint, a Hugging Face directory, a GGUF file (a language or seq2seq model), or "
+        "smollm2 (the shipped SmolLM2-135M-Instruct)",
     )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument(
@@ -39,10 +47,11 @@ def _run_explore(args: argparse.Namespace) -> int:
             raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
         from tformer.explore.analysis import open_model
         from tformer.explore.server import ExploreServer, is_loopback
-        from tformer.training.runtime import resolve_device
+        from tformer.runtime import resolve_device
 
-        note_first_conversion(args.checkpoint, "explore")
-        explorer = open_model(args.checkpoint, device=resolve_device(args.device), dtype=torch_dtype(args.dtype))
+        checkpoint = checkpoint_path(args.checkpoint)  # a shipped model's name: its installed file
+        note_first_conversion(checkpoint, "explore")
+        explorer = open_model(checkpoint, device=resolve_device(args.device), dtype=torch_dtype(args.dtype))
         apply_quantize(explorer.model, args.quantize)
         if args.quantize:
             explorer.name += f" ({args.quantize})"

@@ -11,8 +11,10 @@ import argparse
 import sys
 
 from tformer.cli.common import add_device_flags, apply_quantize, load_model, report_errors, utf8_error
-from tformer.generation.sampling import check_max_new_tokens, check_sampling_args, row_seeds
-from tformer.generation.text import DEFAULT_NEW_TOKENS, EMPTY_PROMPT, sample_to
+
+# tformer.generation.text.DEFAULT_NEW_TOKENS, for the help (which is built without importing torch; a test holds
+# the two equal)
+DEFAULT_NEW_TOKENS = 200
 
 
 def add_cli(subparsers) -> None:
@@ -25,7 +27,8 @@ def add_cli(subparsers) -> None:
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="a training run or checkpoint directory, a Hugging Face model directory, or a .gguf file",
+        help="a training run or checkpoint directory, a Hugging Face model directory, a .gguf file, or smollm2 (the "
+        "shipped SmolLM2-135M-Instruct, installed by make)",
     )
     p.add_argument("--prompt", required=True, help="the text to continue (must encode to at least one token)")
     p.add_argument(
@@ -82,8 +85,26 @@ def _check_utf8(text: str, flag: str = "--prompt") -> None:
         raise ValueError(f"{flag} is {utf8_error(err)}; pass it as UTF-8 text") from None
 
 
+def _note_unknown_chars(tokenizer, prompt: str) -> None:
+    """A note on stderr when a character-level tokenizer does not know some characters of the prompt: the model
+    then reads ``<unk>`` for them (or nothing, with the ``skip`` policy; ``error`` stops with its own message)."""
+    unknown = getattr(tokenizer, "unknown_chars", None)
+    chars = unknown(prompt) if unknown is not None and tokenizer.unknown in ("unk", "skip") else []
+    if chars:
+        shown = " ".join(repr(c) for c in chars[:10]) + (f" and {len(chars) - 10} more" if len(chars) > 10 else "")
+        became = "<unk>" if tokenizer.unknown == "unk" else "nothing (dropped)"
+        print(
+            f"tformer sample: note: the model's character tokenizer does not know {shown} of the prompt; it reads "
+            f"{became} there",
+            file=sys.stderr,
+        )
+
+
 def _run_sample(args: argparse.Namespace) -> int:
     def run() -> int:
+        from tformer.generation.sampling import check_max_new_tokens, check_sampling_args, row_seeds
+        from tformer.generation.text import EMPTY_PROMPT, sample_to
+
         check_sampling_args(args.temperature, args.top_k, args.top_p, args.greedy)  # before loading anything
         row_seeds(args.seed, 1)
         if args.max_new_tokens is not None:
@@ -105,6 +126,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 
             system = [] if args.system is None else [{"role": "system", "content": args.system}]
             prompt = chat_prompt(loaded.tokenizer, [*system, {"role": "user", "content": args.prompt}])
+        _note_unknown_chars(loaded.tokenizer, prompt)
         LAST_TIMINGS.clear()  # the timings of this call's decoding, if it compiles one
         sample_to(
             sys.stdout,

@@ -70,10 +70,11 @@ def _value(value: Any) -> str:
 
 def _saved_settings(given: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
     """The ``train_config`` of the run in ``--out``, without what the flags given now replace."""
+    from tformer.runtime import resolve_device
     from tformer.training.checkpoint import CheckpointError, find_latest, read_manifest
     from tformer.training.resume import damaged_checkpoint_error
     from tformer.training.rundir import writer_of
-    from tformer.training.runtime import TrainingError, resolve_device, triton_interpreter
+    from tformer.training.runtime import TrainingError, triton_interpreter
 
     out = given["out"]
     latest = find_latest(out)

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from tformer.cli.common import add_device_flags, load_model, report_errors, utf8_error
-from tformer.generation.text import translate_lines
 
 
 def add_cli(subparsers) -> None:
@@ -102,6 +101,8 @@ def _check_translate_args(args: argparse.Namespace) -> None:
 
 def _run_translate(args: argparse.Namespace) -> int:
     def run() -> int:
+        from tformer.generation.text import translate_lines
+
         _check_translate_args(args)
         lines = _stdin_lines()
         loaded = load_model(args.checkpoint, "seq2seq", args.device, "translate", args.dtype)

@@ -1,25 +1,19 @@
 """A decode step of Llama-style blocks as one kernel call (``tformer::decode_blocks``, ``kernels/block.cpp``).
 
 A step over a static cache (:mod:`tformer.generation.static`) reads every weight once and does little else, so its
-speed is the weights' bytes over the memory bandwidth, plus what runs between the products. Through the modules a
-SmolLM2 block is ~9 calls from Python and, compiled, ~4 inductor kernels between its 4 products: 18% of a compiled
-step (BENCHMARKS.md, "Where a compiled step goes"). :func:`step` hands the whole block to one C++ op: the same
-products and attention kernels, with the norms, RoPE, the cache write, SwiGLU and the residual sums between them done
-in place, block after block; eager or compiled (a compiled step is then two calls: the blocks and the head).
-Measured on SmolLM2 bfloat16 (AMD EPYC Zen 5, ``benchmarks/decode_step.py``), with one call a block: a compiled step
-3-8% faster than the modules' graph, an eager step over a static cache 1.7x faster than through the modules and
-within 0-4% of a compiled one. One call for all blocks saves each block's dispatch from Python (BENCHMARKS.md).
+speed is the weights' bytes over the memory bandwidth plus what runs between the products. :func:`step` hands the
+whole stack of blocks to one C++ op: the same products and attention kernels, with the norms, RoPE, the cache write,
+SwiGLU and the residual sums between them done in place, block after block, so no Python runs between the products
+(BENCHMARKS.md, "Decoding SmolLM2-135M").
 
-When (:func:`plan`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``sdpa`` or
-``auto`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2) and all have the same heads and RoPE
-layout, in eval mode; one new token per row, at most :func:`tformer.engine.kernels.max_rows` rows of the activations' dtype
-(16 in bfloat16 where its GEMMs run as float32, else 4), or 16 where every projection has int8 codes; bfloat16 or
-float32 on the CPU, with the weights in that dtype or int8
-(:func:`tformer.quantize`); no gradient asked for; the kernels built and on (:func:`tformer.engine.kernels.enabled`). The
-blocks are looked up once a generation, so the model must not change during one except in place (as for a compiled
-step's replay). The op rounds where the modules do (``block.cpp`` says where), so it is the same function: in
-float32 up to the order of float32 additions, in bfloat16 within a few roundings (the tests bound both).
-``TFORMER_KERNELS=0`` or ``kernels.enabled(False)`` turns it off with the other kernels, :func:`enabled` alone.
+When (:func:`plan`): every block :func:`fits` (Pre-LN with RMSNorm, rotary self-attention on the ``auto``, ``sdpa``
+or ``kernel`` backend, a gated SiLU feed-forward: Llama, Qwen2, Mistral, SmolLM2) and all have the same heads and RoPE
+layout, in eval mode; one new token per row, at most :func:`tformer.engine.kernels.max_rows` rows of the activations'
+dtype, or of int8 where every projection has int8 codes; bfloat16 or float32 on the CPU, with the weights in that
+dtype or int8 (:func:`tformer.quantize`); no gradient asked for; the kernels built and on. The blocks are looked up
+once a generation, so the model must not change during one except in place (as for a compiled step's replay). The op
+rounds where the modules do (``block.cpp`` says where): in float32 the same function up to the order of float32
+additions, in bfloat16 within a few roundings (the tests bound both). :func:`enabled` turns it off alone.
 
 Shapes: B, C, S (the package legend, :mod:`tformer`).
 """
@@ -28,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -37,33 +31,41 @@ from torch import Tensor, nn
 
 from tformer import attention
 from tformer.engine import kernels
-from tformer.layers import GatedFeedForward, Linear, StaticKVCache, TransformerBlock
 from tformer.engine.quantization import Int8Linear
+from tformer.layers import GatedFeedForward, TransformerBlock
 
-_ON = [True]
+_on = True  # the fused step's own switch (:func:`enabled`)
+_BACKENDS = ("sdpa", "kernel")  # the attention the op computes: the default one, not a backend asked for by name
 
 
-def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Turn the fused step on or off inside a ``with`` block, the other kernels staying as they are (the benchmarks'
-    A/B runs); compiled graphs guard on it."""
-    return kernels.switched(_ON, on)
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Turn the fused step on or off inside a ``with`` block, the other kernels staying as they are (A/B
+    measurements); compiled graphs guard on it."""
+    global _on
+    before, _on = _on, on
+    try:
+        yield
+    finally:
+        _on = before
 
 
 def fits(block: TransformerBlock) -> bool:
     """Whether ``block``'s structure is the one ``decode_blocks`` computes: Pre-LN; RMSNorms with weights; rotary
-    self-attention and no cross-attention, on the ``sdpa`` backend (``auto`` names it; another backend was asked
-    for by name); a gated SiLU feed-forward; its four projections tformer's ``Linear`` or :class:`Int8Linear`."""
+    self-attention and no cross-attention, on the default attention (``auto``, ``sdpa`` or the engine's ``kernel``;
+    another backend was asked for by name); a gated SiLU feed-forward; its four projections ``nn.Linear`` or
+    :class:`Int8Linear`."""
     attn, ff = block.self_attn, block.ff
     if not block.norm_first or block.cross_attn is not None or block.training or attn.rotary is None:
         return False
-    if attention.resolve(attn.backend).name != "sdpa":
+    if attention.resolve(attn.backend).name not in _BACKENDS:
         return False
     for norm in (block.self_attn_norm, block.ff_norm):
         if not isinstance(norm, nn.RMSNorm) or norm.weight is None:
             return False
     if type(ff) is not GatedFeedForward or ff.activation is not F.silu:
         return False
-    return all(isinstance(p, (Linear, Int8Linear)) for p in (attn.in_proj, attn.out_proj, ff.up, ff.down))
+    return all(isinstance(p, (nn.Linear, Int8Linear)) for p in (attn.in_proj, attn.out_proj, ff.up, ff.down))
 
 
 class StackArguments(NamedTuple):
@@ -111,9 +113,8 @@ def _alike(blocks: Sequence[TransformerBlock]) -> bool:
     return len({shape(block) for block in blocks}) == 1
 
 
-# A generation's first StaticKVCache -> (dtype, its blocks' arguments or None): an eager step then looks its blocks
-# up once instead of reading ~50 module attributes a block (~1,600 a SmolLM2 step, 1-2 ms from Python). A model must
-# not change during one generation except in place (what a compiled step's replay assumes too).
+# A generation's first static cache -> (dtype, its blocks' arguments or None): an eager step looks its blocks up once,
+# not ~50 module attributes a block from Python. A model must not change during one generation except in place.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -121,7 +122,7 @@ def plan(blocks: nn.ModuleList, x: Tensor, caches: list) -> StackArguments | Non
     """The blocks' arguments when :func:`step` runs this decode step of ``x (B, 1, C)`` into the static ``caches``
     of ``blocks`` (the module docstring's conditions), else ``None``. The blocks' structure is checked once a
     generation (eager; a compiled graph checks it when traced)."""
-    if not _ON[0] or x.shape[1] != 1 or x.shape[0] > kernels.max_rows(torch.int8) or x.device.type != "cpu":
+    if not _on or x.shape[1] != 1 or x.shape[0] > kernels.max_rows(torch.int8) or x.device.type != "cpu":
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or not kernels.uses_block_kernel():
         return None
@@ -173,13 +174,16 @@ def _projections(block: TransformerBlock) -> tuple[nn.Module, ...]:
     return block.self_attn.in_proj, block.self_attn.out_proj, block.ff.up, block.ff.down
 
 
-def step(stack: StackArguments, x: Tensor, caches: list[StaticKVCache], keys: Tensor, rope: tuple[Tensor, Tensor]):
+def step(stack: StackArguments, x: Tensor, caches: list, keys: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     """The blocks (their :class:`StackArguments`) for one new token per row, ``x (B, 1, C)``: block ``i``'s key and
-    value go to column ``caches[i].slots`` of ``caches[i]``; each attends to the columns ``j <= slot`` that
-    ``keys (B, S)`` marks. ``rope``: the token's angles, ``cos, sin`` of ``B * D/2`` values
-    (:class:`tformer.positions.RotaryEmbedding`). Returns the last block's output ``(B, 1, C)``."""
+    value go to column ``caches[i].slots`` of ``caches[i]`` (a :class:`tformer.generation.static.StaticKVCache`);
+    each attends to the columns ``j <= slot`` that ``keys (B, S)`` marks. ``rope``: the token's angles, ``cos, sin``
+    of ``B * D/2`` values (:class:`tformer.positions.RotaryEmbedding`). Returns the last block's output
+    ``(B, 1, C)``."""
     for cache in caches:
-        if cache.k is None:  # a one-token prompt: the first write allocates the storage, as StaticKVCache.update does
+        if (
+            cache.k is None
+        ):  # a one-token prompt: the first write allocates the storage, as a static cache's update does
             shape = (x.shape[0], stack.num_kv_heads, cache.capacity, stack.head_dim)
             cache.k, cache.v = x.new_zeros(shape), x.new_zeros(shape)
     cos, sin = rope

@@ -2,13 +2,9 @@
 gives them (:func:`pack_weights`).
 
 Why. A decode step at batch 1 reads every weight once, so it runs at the speed the CPU streams them from memory.
-Loaded tensor by tensor, a model's ~120 matrices (SmolLM2-135M: 0.7-3.5 MB each, and the 57 MB head) are ~120
-separate allocations on 4 KB pages. Streamed from one block on 2 MB pages instead, the same matrix-vector kernels read
-them faster: on an AMD EPYC (Zen 4, 2 threads), a compiled SmolLM2 bfloat16 step took 0.85-0.89 of the time of the
-unpacked one (paired bursts in one process, 3 runs; 0.89 on 4 KB pages), and a C++ pass over the same 121 matrices
-went from 0.77-0.92 to 0.98-1.00 of the speed of one matrix of the same bytes (BENCHMARKS.md "Weights in one block").
-The likely reasons: a 2 MB page needs one TLB entry where 4 KB pages need 512 (and under a hypervisor each TLB miss
-walks two page tables), and the hardware prefetchers, which stop at page boundaries, restart less often.
+Loaded tensor by tensor, a model's matrices are separate allocations on 4 KB pages; streamed from one block on 2 MB
+pages, the same kernels read them faster (BENCHMARKS.md, "Decode kernels"): a 2 MB page needs one TLB entry where
+4 KB pages need 512, and the hardware prefetchers, which stop at page boundaries, restart less often.
 
 What. :func:`pack_weights` copies every parameter and buffer of a CPU module into one anonymous memory mapping
 (``mmap``, private), each tensor 64-byte aligned, the mapping's start 2 MB aligned, and asks Linux for transparent huge

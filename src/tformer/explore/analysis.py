@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tformer.engine import accelerate
 from tformer.functional import attention_scores, rotate_pairs, sinusoidal_positional_encoding, softmax_jacobian_norm
 from tformer.generation.sampling import apply_temperature, filter_logits, sample
 from tformer.layers import MultiHeadAttention
@@ -100,9 +101,9 @@ def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | No
         start = gen.decoder_start if gen.decoder_start is not None else gen.pad
         name = p.stem if p.suffix == ".gguf" else p.name
     else:
-        from tformer.training.checkpoint import load_checkpoint
+        from tformer.training.resume import load_newest
 
-        ckpt = load_checkpoint(p, map_location=device)
+        ckpt = load_newest(p, map_location=device)  # a damaged newest checkpoint: names an older one, as sample does
         model, tokenizer = ckpt.model, ckpt.tokenizer
         if dtype is not None:
             model.to(dtype)
@@ -112,7 +113,7 @@ def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | No
             f"{path} holds an encoder ({type(model).__name__}); the page shows language models and encoder-decoders"
         )
     kind = "lm" if isinstance(model, DecoderLM) else "seq2seq"
-    return Explorer(model.eval(), tokenizer, name, kind, start)
+    return Explorer(accelerate(model.eval()), tokenizer, name, kind, start)
 
 
 def piece(tokenizer: Any, i: int) -> str:

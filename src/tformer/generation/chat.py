@@ -33,7 +33,7 @@ class ChatTemplateError(ValueError):
 
 
 def chat_template(tokenizer: Any) -> str | None:
-    """The Jinja chat template of ``tokenizer`` (a :class:`tformer.training.tokenizers.HFTokenizer` loaded with its
+    """The Jinja chat template of ``tokenizer`` (a :class:`tformer.tokenizers.HFTokenizer` loaded with its
     ``tokenizer_config.json``), or ``None``. A ``tokenizer_config.json`` may hold several named templates (a list of
     ``{"name", "template"}``): the one named ``default`` is used, as ``transformers`` does."""
     template = getattr(tokenizer, "settings", {}).get("chat_template")

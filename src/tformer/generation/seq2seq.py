@@ -25,6 +25,7 @@ import math
 import torch
 from torch import Tensor
 
+from tformer.engine import accelerate
 from tformer.generation.sampling import check_finite_logits
 from tformer.models import EncoderDecoder, check_inputs
 
@@ -76,6 +77,7 @@ def greedy_seq2seq(
     ``max_new_tokens``. Returns each output without BOS and EOS. NaN (or infinite) logits at the first step
     (a diverged model) raise ``ValueError``."""
     _check_decode_args(model, src, src_mask, max_new_tokens, bos_id, eos_id)
+    accelerate(model)  # the engine's kernels where they pay (tformer.engine.apply)
     memory = model.encode(src, src_mask)  # (B, S, C)
     cache = model.new_cache()
     batch = src.shape[0]
@@ -151,6 +153,7 @@ def beam_search(
         )
     B, K, V = src.shape[0], beam_size, model.cfg.vocab_size
     device = src.device
+    accelerate(model)  # the engine's kernels where they pay (tformer.engine.apply)
     memory = model.encode(src, src_mask).repeat_interleave(K, dim=0)  # (B*K, S, C): a source's beams adjacent
     memory_mask = None if src_mask is None else src_mask.repeat_interleave(K, dim=0)  # (B*K, S)
     cache = model.new_cache()

@@ -1,29 +1,26 @@
 """Decoding over a static KV cache, optionally compiled: every decode step has the same shapes, so one compiled graph
-serves them all (``generate(..., compile=True)``).
+serves them all (``generate(..., static_cache=True)``, ``generate(..., compile=True)``).
 
-The cache holds ``capacity`` positions per layer, allocated once (:class:`tformer.layers.StaticKVCache`). A step
-writes its token's keys and values at column ``slot`` (a one-element tensor updated in place), marks the column real
-in the key mask ``(B, capacity)`` and passes each row's position ``(B, 1)``; none of these is a Python number the
-graph could specialise on. With ``compile=True`` the prompt is also left-padded to a multiple of :data:`BUCKET`
-tokens and the capacity rounded up to one, so prompts and lengths within a bucket share their graphs (prefill and
-step): "compiled once per shape bucket". What is compiled is one function that calls the model it is given
-(:func:`compiled_forward`), so dynamo's graphs take the weights as inputs and keep no model alive: a model deleted
-is freed, and later calls of a bucket reuse its graphs. The batch size and the dtype are part of the shape too.
-Dynamo keeps at most :data:`RECOMPILE_LIMIT` graphs of that function per process (two per model dtype x batch size
-x bucket, models of one structure sharing them); past it a ``RuntimeError`` names the fix, ``torch._dynamo.reset()``.
+The cache holds ``capacity`` positions per layer, allocated once (:class:`StaticKVCache`). A step writes its token's
+keys and values at column ``slot`` (a one-element tensor updated in place), marks the column real in the key mask
+``(B, capacity)`` and passes each row's position ``(B, 1)``; none of these is a Python number a graph could
+specialise on. :func:`forward` runs the model's own modules over that cache, or, for a decode step of Llama-style
+blocks on the CPU, the engine's fused step (:mod:`tformer.engine.fused`: the blocks as one kernel call).
+
+With ``compile=True`` the prompt is also left-padded to a multiple of :data:`BUCKET` tokens and the capacity rounded
+up to one, so prompts and lengths within a bucket share their graphs (prefill and step). What is compiled is one
+function of the model (:func:`compiled_forward`), so dynamo's graphs take the weights as inputs and keep no model
+alive. The batch size and the dtype are part of the shape too; dynamo keeps at most :data:`RECOMPILE_LIMIT` graphs of
+that function per process, past which a ``RuntimeError`` names the fix, ``torch._dynamo.reset()``.
 
 On CUDA the step runs with ``mode="reduce-overhead"`` (CUDA graphs: one launch per step). On the CPU it runs
-inductor's C++ kernels (fused element-wise work) without inductor's per-call checks of its inputs' sizes and
-strides (``size_asserts``: ~300 Python calls a SmolLM2 step, 2-3% of it), and without dynamo after the first step:
-:class:`StaticLM` passes the same tensors at every step (the token copied into one tensor, the cache, key mask,
-positions and slot written in place), dynamo's guards checked them at the first, so later steps call the step's
-compiled graph directly (:attr:`StaticLM.replay`). That is the CPU's counterpart of a CUDA graph replay: it removes
-dynamo's frame evaluation, argument gathering and wrappers, 0.15-0.25 ms a step, a quarter to a third of the demo
-model's compiled step (BENCHMARKS.md, "Compiled decoding"). The model must not change during one generation except
-in place (what dynamo's guards would also assume with ``skip_guard_eval_unsafe``); the next generation's first step
-runs every guard again.
+inductor's C++ kernels without inductor's per-call checks of its inputs' sizes and strides, and without dynamo after
+the first step: :class:`StaticLM` passes the same tensors at every step (written in place), dynamo's guards checked
+them at the first, so later steps call the step's compiled graph directly (:attr:`StaticLM.replay`), the CPU's
+counterpart of a CUDA graph replay. The model must not change during one generation except in place; the next
+generation's first step runs every guard again.
 
-Shapes: B, P, S, V (the package legend, :mod:`tformer`).
+Shapes: B, Hkv, P, S, D, T, C, V (the package legend, :mod:`tformer`).
 """
 
 from __future__ import annotations
@@ -39,6 +36,7 @@ from torch import Tensor
 
 from tformer.engine import fused, kernels
 from tformer.generation.sampling import context_window
+from tformer.layers import LayerCache
 from tformer.models import DecoderLM
 
 BUCKET = 64  # prompt lengths and capacities are rounded up to a multiple of this when compiling
@@ -51,8 +49,84 @@ RECOMPILE_LIMIT = 64  # graphs of the compiled decode function dynamo keeps: 2 p
 AUTO_COMPILE_DEVICES = ("cuda",)  # where --compile auto compiles (auto_compile says why)
 
 
-def _call(model: DecoderLM, *args, **kwargs):
-    return model(*args, **kwargs)
+class StaticKVCache:
+    """Keys and values in storage of ``capacity`` positions allocated once, ``(B, Hkv, capacity, D)``, written in
+    place at the columns ``slots (T,)`` the caller sets before each call: every decoding step then has the same
+    shapes, and a compiled step runs again without recompiling. Unwritten columns hold zeros; the key mask of
+    :func:`forward` hides them."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a static cache needs capacity >= 1; got {capacity}")
+        self.capacity = capacity
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.slots: Tensor | None = None  # (T,) long: the columns the next update writes
+
+    def allocate(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the storage now, zeros ``(batch, kv_heads, capacity, head_dim)`` for keys and values, rather than
+        at the first :meth:`update`. A compiled caller must: storage made inside a CUDA graph belongs to the graph's
+        memory pool, which the next graph reuses."""
+        self.k = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k, v (B, Hkv, T, D)`` at columns ``slots``; return the whole storage ``(B, Hkv, S, D)``
+        (allocated at the first call, unless :meth:`allocate` did it before)."""
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:-2], self.capacity, k.shape[-1])
+            self.v = v.new_zeros(*v.shape[:-2], self.capacity, v.shape[-1])
+        self.k.index_copy_(-2, self.slots, k)
+        self.v.index_copy_(-2, self.slots, v)
+        return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index``: new storage of the same capacity."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+def static_cache(model: DecoderLM, capacity: int) -> list[LayerCache]:
+    """An empty static cache of ``capacity`` positions, one entry per block of ``model``, its position tables
+    reserved for them (learned positions: at most ``max_seq_len``, the real tokens they count)."""
+    decoder = model.decoder
+    learned = model.cfg.position == "learned"
+    decoder.reserve(min(capacity, model.cfg.max_seq_len) if learned else capacity)
+    return [LayerCache(StaticKVCache(capacity)) for _ in decoder.stack.blocks]
+
+
+def forward(
+    model: DecoderLM,
+    ids: Tensor,
+    keys: Tensor,
+    caches: list[LayerCache],
+    positions: Tensor,
+    last_only: bool = False,
+) -> Tensor:
+    """Logits ``(B, T, V)`` of the new tokens ``ids (B, T)`` over a static cache (:func:`static_cache`): the caller
+    gives each token's position ``positions (B, T)``, the columns they go to (``cache.slots``, shared by the rows)
+    and ``keys (B, S)``, the columns that hold real tokens once these are written. Query ``i`` sees column ``j`` when
+    ``keys[b, j]`` and ``j <= slots[i]``. Only tensors vary between steps: one compiled graph serves every step.
+    ``last_only``: the last position's logits alone ``(B, 1, V)`` (what a prefill needs; the head's product for one
+    row)."""
+    decoder, cache = model.decoder, caches[0].self_kv
+    if cache.slots is None:
+        raise ValueError("a static cache needs cache.slots: the columns the new tokens go to")
+    if keys.shape != (ids.shape[0], cache.capacity) or positions.shape != ids.shape:
+        raise ValueError(
+            f"with a static cache of capacity {cache.capacity}: keys must be {(ids.shape[0], cache.capacity)} "
+            f"and positions {tuple(ids.shape)}; got {tuple(keys.shape)} and {tuple(positions.shape)}"
+        )
+    columns = torch.arange(cache.capacity, device=ids.device)
+    self_mask = keys[:, None, None, :] & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
+    rope = decoder.rotary(positions) if decoder.rotary is not None else None  # tables reserved by static_cache
+    x = decoder.embed(ids, positions)  # (B, T, C)
+    stack = fused.plan(decoder.stack.blocks, x, caches)  # a decode step: the blocks as one kernel call
+    if stack is not None:
+        h = decoder.stack.final_norm(fused.step(stack, x, [layer.self_kv for layer in caches], keys, rope))
+    else:
+        h = decoder.stack(x, caches=caches, self_mask=self_mask, is_causal=False, rope=rope)  # (B, T, C)
+    return model.logits(h[:, -1:] if last_only else h)
 
 
 def compiled_forward(model: DecoderLM) -> tuple[object, _Recorder | None]:
@@ -68,9 +142,9 @@ def compiled_forward(model: DecoderLM) -> tuple[object, _Recorder | None]:
     cuda = next(model.parameters()).device.type == "cuda"
     if cuda not in _COMPILED:
         if cuda:
-            _COMPILED[cuda] = torch.compile(_call, mode="reduce-overhead", dynamic=False, fullgraph=True)
+            _COMPILED[cuda] = torch.compile(forward, mode="reduce-overhead", dynamic=False, fullgraph=True)
         else:  # the step's Python wrapper runs per token: skip its input-stride asserts (dynamo's guards hold them)
-            _COMPILED[cuda] = torch.compile(_call, backend=RECORDER, dynamic=False, fullgraph=True)
+            _COMPILED[cuda] = torch.compile(forward, backend=RECORDER, dynamic=False, fullgraph=True)
     return functools.partial(_COMPILED[cuda], model), None if cuda else RECORDER
 
 
@@ -109,25 +183,15 @@ class _Recorder:
 # bfloat16 and reads the value back as float32 (a norm's output going into a bfloat16 GEMM run as float32:
 # kernels.uses_float32_gemm), the fused kernel rounds too, as eager does (by default inductor keeps the float32 value)
 RECORDER = _Recorder({"size_asserts": False, "emulate_precision_casts": True})
-_COMPILED: dict[bool, object] = {}  # on CUDA (CUDA graphs) or not -> torch.compile of _call
+_COMPILED: dict[bool, object] = {}  # on CUDA (CUDA graphs) or not -> torch.compile of forward
 
 
 def auto_compile(model: DecoderLM, length: int | None = None) -> bool:
-    """The rule of ``--compile auto`` (exact either way: a compiled step computes the same function).
-
-    On CUDA (:data:`AUTO_COMPILE_DEVICES`): compile (CUDA graphs make a decode step one launch; the compile takes
-    seconds), when the generation's ``length`` (prompt + new tokens; ``None``: not known) fits a static cache
-    (:func:`fits_static_cache`: with learned positions, the model's ``max_seq_len``); else decode over the growing
-    cache, which slides a window. On the CPU: do not.
-    Measured on a 2-core Intel Xeon, torch 2.13 (BENCHMARKS.md "Compiled decoding", the rerun with the attention
-    kernel): compiling SmolLM2-135M's decode took ~150 s from cold in bfloat16 for 14.9 ms/token saved (36.0 ->
-    21.1, eager on tformer's kernels against compiled), ~110 s in int8 for 18.2 ms/token (31.1 -> 12.9): it pays off
-    after 6,000-10,000 tokens, more than a sampling command makes. Since a Llama-style block's step is one kernel call
-    (:mod:`tformer.engine.fused`), an eager step over a static cache (:func:`auto_static_cache`) is within 0-4% of a compiled
-    one (AMD EPYC Zen 5, ``benchmarks/decode_step.py``): the compile saves even less. ``--compile on`` compiles on the
-    CPU when asked. The dtype stays as saved: bfloat16 is not exact (on that CPU it decodes faster than float32, 27.8
-    against 19.3 tok/s, but it is a different function), and int8 is lossy: both only when asked.
-    """
+    """The rule of ``--compile auto`` (exact either way: a compiled step computes the same function): compile on
+    CUDA (:data:`AUTO_COMPILE_DEVICES`; CUDA graphs make a step one launch) when the generation's ``length`` (prompt
+    + new tokens; ``None``: not known) fits a static cache (:func:`fits_static_cache`), and not on the CPU, where the
+    compile takes minutes and an eager step over a static cache is about as fast (BENCHMARKS.md, "Decoding
+    SmolLM2-135M")."""
     parameters = next(model.parameters(), None)
     if parameters is None or parameters.device.type not in AUTO_COMPILE_DEVICES:
         return False
@@ -164,20 +228,11 @@ def check_fits_static_cache(model: DecoderLM, prompt: int, max_new_tokens: int) 
 
 
 def auto_static_cache(model: DecoderLM, length: int | None = None) -> bool:
-    """The rule ``tformer sample`` follows when it does not compile: decode over a static cache when every block of
-    ``model`` runs a decode step as one kernel call there (:mod:`tformer.engine.fused`: CPU, Llama-style blocks, the kernels
-    built) and the generation's ``length`` (prompt + new tokens; ``None``: not known) fits the model's trained
-    context (``max_seq_len``) and the model computes in float32 or bfloat16 (the kernel's dtypes; float16 is not
-    one), else over the default, growing cache. A static cache is allocated for the whole
-    length before the first token; past the trained context the growing cache takes memory only for the tokens
-    made (a large ``--max-new-tokens`` is a limit an EOS usually ends long before).
-
-    Why: over a static cache the blocks of such a model are one ``tformer::decode_blocks`` call, where the growing
-    cache runs ~9 modules a block from Python. SmolLM2-135M in bfloat16 on an AMD EPYC (Zen 5), 2 threads, 256
-    new tokens (``benchmarks/decode.py``): 57.6 tokens/s on the growing cache, 114.8 on the static cache, 125.7
-    compiled, after a compile of ~10 s (BENCHMARKS.md, "Third session on this CPU: a block as one kernel call"). Both
-    caches compute the same function: in float32 the same tokens (tested), in bfloat16 a few roundings apart, as
-    compiled decoding is (README)."""
+    """The rule ``tformer sample`` follows when it does not compile: decode over a static cache when every block
+    runs a decode step as one kernel call there (:func:`tformer.engine.fused.fits`: the CPU, Llama-style blocks, the
+    kernels built, float32 or bfloat16) and the generation's ``length`` (prompt + new tokens; ``None``: not known)
+    fits the trained context (``max_seq_len``); else over the growing cache, whose memory follows the tokens made.
+    The reason: the fused step runs no Python between the products (BENCHMARKS.md, "Decoding SmolLM2-135M")."""
     parameters = next(model.parameters(), None)
     if parameters is None or parameters.device.type != "cpu" or not kernels.uses_block_kernel():
         return False
@@ -258,11 +313,11 @@ class StaticLM:
         self.position = self.prompt_positions[:, -1:] + 1  # (B, 1): the next token's position, advanced in place
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the next token's column, advanced in place
         self.token = ids.new_zeros(B, 1)  # the step's input: the same tensor at every step, its value copied in
-        self.cache = model.new_cache(self.capacity)
+        self.cache = static_cache(model, self.capacity)
         dtype = model.decoder.embed.tokens.weight.dtype  # what the blocks compute in, and their keys and values
         for layer in self.cache:  # before any graph runs: a CUDA graph must not own the storage (allocate says why)
             layer.self_kv.allocate(B, model.cfg.kv_heads, model.cfg.head_dim, dtype, device)
-        self.forward, self.recorder = compiled_forward(model) if compile else (model, None)
+        self.forward, self.recorder = compiled_forward(model) if compile else (functools.partial(forward, model), None)
         self.replay: tuple | None = None  # (graph, arguments): the compiled step, called without dynamo
         self.compiled = compile
         self.steps = 0

@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 class TextDecoder(Protocol):
-    """What stop strings need of a tokenizer (any :class:`tformer.training.tokenizers.Tokenizer` has it)."""
+    """What stop strings need of a tokenizer (any :class:`tformer.tokenizers.Tokenizer` has it)."""
 
     def decode(self, ids: list[int]) -> str: ...
 

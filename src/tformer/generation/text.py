@@ -17,7 +17,7 @@ EMPTY_PROMPT = "the prompt is empty; give a non-empty --prompt"
 
 
 class TextTokenizer(Protocol):
-    """What text generation needs of a tokenizer (every :class:`tformer.training.tokenizers.Tokenizer` has it)."""
+    """What text generation needs of a tokenizer (every :class:`tformer.tokenizers.Tokenizer` has it)."""
 
     def encode(self, text: str) -> list[int]: ...
 

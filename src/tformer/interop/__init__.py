@@ -23,17 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
-from tformer.interop import hf
+from tformer.engine import accelerate, pack_weights
+from tformer.interop import hf, shipped
 from tformer.interop.bert import Bert
 from tformer.interop.family import Family, GenerationIds
 from tformer.interop.gpt2 import GPT2
 from tformer.interop.keys import InteropError
 from tformer.interop.llama import Llama, Mistral, Qwen2
 from tformer.interop.marian import Marian
-from tformer.engine.memory import pack_weights
 from tformer.models import DecoderLM, Encoder, EncoderDecoder, pad_right
-from tformer.training import finetune
-from tformer.training.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer
+from tformer.tokenizers import TOKENIZER_FILE, HFTokenizer, Tokenizer
 
 FAMILIES: dict[str, Family] = {
     t: f for f in (GPT2(), Bert(), Llama(), Qwen2(), Mistral(), Marian()) for t in f.model_types
@@ -83,16 +82,21 @@ def build(family: Family, cfg: TransformerConfig, tensors: dict[str, Tensor], so
 
 
 def is_pretrained(path: str | os.PathLike) -> bool:
-    """``path`` is a GGUF file or a Hugging Face model directory (else: a tformer run or checkpoint)."""
+    """``path`` is a GGUF file or a Hugging Face model directory, or the name of a model tformer ships
+    (:mod:`.shipped`: ``smollm2``, ``minilm``), installed or not (else: a tformer run or checkpoint)."""
     p = Path(path)
+    if not p.exists() and str(path) in shipped.SHIPPED:
+        return True
     return (p.suffix == ".gguf" and not p.is_dir()) or (p / hf.CONFIG).is_file()
 
 
 def load_pretrained(
     path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
 ) -> Pretrained:
-    """Load a Hugging Face model directory or a ``.gguf`` file; ``dtype=None`` keeps the file's dtype (a GGUF file's
-    quantized tensors are dequantized to float32). On the CPU the weights end in one block of memory
+    """Load a Hugging Face model directory or a ``.gguf`` file, or a model tformer ships by its name (``"smollm2"``,
+    ``"minilm"``: the files of the installed packages of ``models.txt``; a path that exists wins). ``dtype=None``
+    keeps the file's dtype (a GGUF file's quantized tensors are dequantized to float32). The model is accelerated
+    (:func:`tformer.engine.accelerate`) and on the CPU its weights end in one block of memory
     (:func:`tformer.engine.memory.pack_weights`). ``InteropError`` (a ``ValueError``) names the file or the field for
     anything missing, truncated, unexpected or unsupported."""
     dtype = _as_dtype(dtype)
@@ -103,9 +107,9 @@ def load_pretrained(
             raise InteropError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
     if device is not None:
         _check_device(device)
-    path = Path(path)
+    path = shipped.locate(path)  # a name (smollm2, minilm): the installed package's file
     if not path.exists():
-        raise InteropError(f"{path}: no such file or directory")
+        raise InteropError(shipped.missing(path))
     if path.is_file() and path.suffix == ".gguf":
         from tformer.interop.gguf import load_gguf
 
@@ -119,7 +123,7 @@ def load_pretrained(
     if device is not None:
         pretrained.model.to(device)
     pretrained.model.eval()
-    pack_weights(pretrained.model)  # CPU tensors into one block on huge pages: decoding streams them faster
+    pack_weights(accelerate(pretrained.model))  # kernels where they pay; weights in one block: read faster
     return pretrained
 
 
@@ -156,7 +160,7 @@ def _load_directory(path: Path) -> Pretrained:
 
 def family_for(model: nn.Module) -> Family:
     """The family that can represent ``model``; ``ValueError`` naming the fields that fit none."""
-    from tformer.training.checkpoint import unwrap
+    from tformer.runtime import unwrap
 
     model = unwrap(model)
     kind = next((k for k, cls in MODEL_CLASSES.items() if type(model) is cls), None)
@@ -179,7 +183,7 @@ def family_for(model: nn.Module) -> Family:
 def _check_device(device: torch.device) -> None:
     """``InteropError`` for a device this machine lacks, before anything is loaded (torch would fail after the load,
     with an ``AssertionError``)."""
-    from tformer.training.runtime import unavailable
+    from tformer.runtime import unavailable
 
     if device.type == "meta":
         raise InteropError("device='meta' holds no data: the weights would be dropped; use 'cpu' or 'cuda'")
@@ -220,7 +224,7 @@ def save_pretrained(
     ``pretrained.generation`` to keep a model's several end-of-sequence ids), else the tokenizer's.
     ``InteropError`` names the config field when the model fits no family; nothing is written then."""
     from tformer.engine.quantization import is_quantized
-    from tformer.training.checkpoint import unwrap
+    from tformer.runtime import unwrap
 
     if isinstance(model, Pretrained):
         raise TypeError(
@@ -343,15 +347,6 @@ def check_embedder(pretrained: Pretrained) -> None:
             f"{pretrained.path}: no tokenizer.json, and sentence embeddings need the model's tokenizer: put the "
             "tokenizer.json the model was trained with beside its weights"
         )
-
-
-def _start_from(path: Path) -> tuple[nn.Module, HFTokenizer | None]:
-    """What a fine-tuning run (``init_from``) starts from: the model in float32 and its tokenizer."""
-    pretrained = load_pretrained(path, dtype=torch.float32)
-    return pretrained.model, pretrained.tokenizer
-
-
-finetune.READERS.append((is_pretrained, _start_from))
 
 
 def _truncate(ids: list[int], limit: int) -> list[int]:

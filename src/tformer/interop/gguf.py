@@ -197,7 +197,7 @@ def tokenizer(file: GGUFFile, config: dict[str, Any]):
     """The file's byte-level BPE tokenizer (``tokenizer.ggml.model = "gpt2"``), or ``None`` without one."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    from tformer.training.tokenizers import HFTokenizer
+    from tformer.tokenizers import HFTokenizer
 
     kind = file.field("tokenizer.ggml.model")
     if kind is None:
@@ -287,7 +287,7 @@ def cache_folder(path: Path) -> Path:
     modification time)."""
     import hashlib
 
-    from tformer.training.corpus import default_cache_dir
+    from tformer.runtime import default_cache_dir
 
     st = path.stat()
     key = hashlib.sha256(f"{CACHE_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]

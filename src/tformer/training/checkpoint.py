@@ -6,7 +6,7 @@ Layout of a training run ``OUT/``::
         checkpoint.json      manifest: format, kind ("lm" | "seq2seq"), step, model and training configs,
                              and the size and SHA-256 of every other file (written last)
         model.safetensors    the weights; tied matrices stored once, keys without ``_orig_mod.``/``module.``
-        tokenizer.json       the tokenizer (tformer.training.tokenizers)
+        tokenizer.json       the tokenizer (tformer.tokenizers)
         trainer_state.pt     optimizer, RNG and data-sampler state, for an exact ``--resume``
 
 Atomicity: a checkpoint is written into ``OUT/checkpoints/.tmp-...`` (each file fsync'ed, then the directory),
@@ -38,9 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
-from tformer.models import DecoderLM, EncoderDecoder
 from tformer.engine.quantization import is_quantized
-from tformer.training.tokenizers import TOKENIZER_FILE, Tokenizer, tokenizer_from_dict
+from tformer.models import DecoderLM, EncoderDecoder
+from tformer.runtime import unwrap
+from tformer.tokenizers import TOKENIZER_FILE, Tokenizer, tokenizer_from_dict
 
 Kind = Literal["lm", "seq2seq"]
 FORMAT = "tformer-checkpoint"
@@ -85,17 +86,6 @@ def model_class(kind: str) -> type[nn.Module]:
     if kind == "seq2seq":
         return EncoderDecoder
     raise ValueError(f"unknown model kind {kind!r}; expected 'lm' or 'seq2seq'")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside ``torch.compile`` (``_orig_mod``) and ``DistributedDataParallel`` (``module``)."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def strip_wrapper_prefixes(key: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tformer.config import ConfigError, TransformerConfig
-from tformer.training.runtime import resolve_device, triton_interpreter
+from tformer.tokenizers import Tokenizer
 from tformer.training.settings import (
     field_types,
     finite_at_least,
@@ -29,7 +29,6 @@ from tformer.training.settings import (
     where,
 )
 from tformer.training.tasks import TASKS, SequenceTask
-from tformer.training.tokenizers import Tokenizer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -37,28 +36,9 @@ if TYPE_CHECKING:
 Kind = Literal["lm", "seq2seq"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 
-LM_MODEL = dict(
-    d_model=128,
-    num_heads=4,
-    num_layers=4,
-    d_ff=512,
-    dropout=0.0,
-    position="learned",
-    activation="gelu",
-    norm_first=True,
-    tie_embeddings=True,
-)
-SEQ2SEQ_MODEL = dict(
-    d_model=128,
-    num_heads=4,
-    num_layers=2,
-    d_ff=512,
-    dropout=0.0,
-    position="sinusoidal",
-    activation="relu",
-    norm_first=True,
-    tie_embeddings=True,
-)
+_MODEL = dict(d_model=128, num_heads=4, d_ff=512, dropout=0.0, norm_first=True, tie_embeddings=True)
+LM_MODEL = {**_MODEL, "num_layers": 4, "position": "learned", "activation": "gelu"}
+SEQ2SEQ_MODEL = {**_MODEL, "num_layers": 2, "position": "sinusoidal", "activation": "relu"}
 
 
 @dataclass(frozen=True)
@@ -157,7 +137,7 @@ class TrainConfig:
     init_from: str | None = setting(
         None,
         "fine-tune: start from this model's architecture, weights and tokenizer (a tformer run or checkpoint, a "
-        "Hugging Face folder or a GGUF file)",
+        "Hugging Face folder, a GGUF file, or smollm2: the shipped SmolLM2-135M-Instruct)",
         group="model",
         expected="a path",
         sources=("data",),
@@ -255,8 +235,9 @@ class TrainConfig:
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         for name in ("data", "pairs", "cache_dir", "init_from"):  # absolute: --resume works from any directory
-            if isinstance(getattr(self, name), str) and getattr(self, name):  # '' stays, for validate to refuse
-                setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
+            value = getattr(self, name)  # '' stays, for validate to refuse; a shipped model's name stays a name
+            if isinstance(value, str) and value and not (name == "init_from" and _shipped_name(value)):
+                setattr(self, name, os.path.abspath(os.path.expanduser(value)))
         if isinstance(self.betas, list):  # JSON has no tuples
             self.betas = tuple(self.betas)
 
@@ -341,6 +322,9 @@ class TrainConfig:
             )
         if self.task is not None:  # its lengths (the same check as when the task is built for training)
             SequenceTask(self.task, min_len=self.task_min_len, max_len=self.task_max_len)
+        from tformer.runtime import resolve_device  # imported here: the command line builds its flags without torch
+        from tformer.training.runtime import triton_interpreter
+
         try:
             device = resolve_device(self.device)
         except ValueError as err:
@@ -465,6 +449,15 @@ class TrainResult:
     @property
     def val_loss(self) -> float:
         return self.val_losses[max(self.val_losses)] if self.val_losses else float("nan")
+
+
+def _shipped_name(value: str) -> bool:
+    """``value`` names a model tformer ships (``smollm2``) and is not a path that exists (which wins)."""
+    if Path(value).exists():
+        return False
+    from tformer.interop.shipped import SHIPPED  # imported here: the command line builds its flags without torch
+
+    return value in SHIPPED
 
 
 def model_config(cfg: TrainConfig, tokenizer: Tokenizer, max_len: int = 0) -> TransformerConfig:

@@ -33,13 +33,14 @@ import shutil
 import sysconfig
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tformer.training.tokenizers import Tokenizer
+from tformer.runtime import default_cache_dir
+from tformer.tokenizers import Tokenizer
 
 DOC_SEPARATOR = "\n\n"
 CHUNK_CHARS = 1 << 22  # read and tokenize ~4M characters at a time
@@ -190,14 +191,6 @@ def files_fingerprint(files: Sequence[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def default_cache_dir() -> Path:
-    """``$TFORMER_CACHE``, else ``$XDG_CACHE_HOME/tformer``, else ``~/.cache/tformer``."""
-    if os.environ.get("TFORMER_CACHE"):
-        return Path(os.environ["TFORMER_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tformer"
-
-
 @dataclass
 class TokenizedCorpus:
     """A tokenized corpus: ``tokens`` memory-mapped from ``path``, split at ``split``; ``digest``: the SHA-256 of the
@@ -287,8 +280,10 @@ def tokenize_corpus(
     *,
     val_fraction: float = 0.1,
     cache_dir: str | os.PathLike | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> TokenizedCorpus:
-    """The token stream of ``files`` under ``tokenizer``, from the cache or tokenized now (then cached).
+    """The token stream of ``files`` under ``tokenizer``, from the cache or tokenized now (then cached; ``note`` is
+    told so first: the first run on a large corpus tokenizes for a while).
 
     The cache entry is written into a temporary folder and renamed into place, so an interrupted run never
     leaves a half-written entry, and concurrent processes (data-parallel ranks) agree on one. Temporary folders
@@ -304,6 +299,9 @@ def tokenize_corpus(
     if cache.is_dir():
         remove_stale_temps(cache)
     if not (entry / "meta.json").is_file():
+        if note:
+            size = sum(f.stat().st_size for f in files) / 2**20
+            note(f"data: tokenizing {len(files)} file(s), {size:.1f} MiB (first use; cached in {cache})")
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()

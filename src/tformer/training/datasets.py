@@ -10,15 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tformer.training.batches import LMBatches, Seq2SeqBatches, evaluation_batches
-from tformer.training.config import TrainConfig
-from tformer.training.corpus import default_cache_dir, files_fingerprint, iter_texts, tokenize_corpus
-from tformer.training.pairs import load_pairs, split_pairs
-from tformer.training.tasks import SequenceTask
-from tformer.training.tokenizers import (
+from tformer.runtime import default_cache_dir
+from tformer.tokenizers import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -28,6 +25,11 @@ from tformer.training.tokenizers import (
     build_tokenizer,
     tokenizer_from_dict,
 )
+from tformer.training.batches import LMBatches, Seq2SeqBatches, evaluation_batches
+from tformer.training.config import TrainConfig
+from tformer.training.corpus import files_fingerprint, iter_texts, tokenize_corpus
+from tformer.training.pairs import load_pairs, split_pairs
+from tformer.training.tasks import SequenceTask
 
 TASK_HELD_OUT_SEED = 1234  # the held-out sources of a task do not depend on the run's seed
 
@@ -45,6 +47,10 @@ class RunData:
     trained_held_out: int = 0  # held-out examples that training may draw too (a task's short lengths)
 
 
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def cached_tokenizer(cfg: TrainConfig, files: list[Path]) -> Tokenizer:
     """Build (or read from the cache) the char/BPE tokenizer of a corpus."""
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
@@ -52,6 +58,8 @@ def cached_tokenizer(cfg: TrainConfig, files: list[Path]) -> Tokenizer:
     path = cache / name
     if path.is_file():
         return tokenizer_from_dict(json.loads(path.read_text(encoding="utf-8")), str(path))
+    if cfg.progress:
+        _note(f"data: building the {cfg.tokenizer} tokenizer of {len(files)} file(s) (first use; cached in {cache})")
     tokenizer = build_tokenizer(cfg.tokenizer, iter_texts(files), vocab_size=cfg.vocab_size, unknown=cfg.unknown)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
@@ -72,7 +80,8 @@ def prepare_data(cfg: TrainConfig, tokenizer: Tokenizer | None, files: list[Path
     if cfg.kind == "lm":
         if tokenizer is None:
             tokenizer = build_tokenizer("byte") if cfg.tokenizer == "byte" else cached_tokenizer(cfg, files)
-        corpus = tokenize_corpus(files, tokenizer, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
+        note = _note if cfg.progress else None  # a long first tokenization says so, wherever stderr goes
+        corpus = tokenize_corpus(files, tokenizer, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir, note=note)
         train = LMBatches(corpus.train, cfg.block_size, cfg.batch_size, cfg.seed)
         val = LMBatches(corpus.val, cfg.block_size, cfg.batch_size, cfg.seed).evaluation(cfg.eval_batches)
         return RunData(tokenizer, train, val, digest=corpus.digest)

@@ -19,32 +19,20 @@ from pathlib import Path
 from tformer.generation.sampling import generate
 from tformer.generation.seq2seq import greedy_seq2seq
 from tformer.models import pad_right
+from tformer.tokenizers import BOS_ID, EOS_ID, SEQ2SEQ_SPECIALS
 from tformer.training.checkpoint import CHECKPOINTS_DIR, MANIFEST, list_checkpoints
 from tformer.training.config import TrainConfig, TrainResult
 from tformer.training.corpus import DOC_SEPARATOR
 from tformer.training.datasets import task_held_out
+from tformer.training.presets import DEMO, DEMO_MODEL
 from tformer.training.resume import RUN_OUTPUTS
 from tformer.training.rundir import LOCK_FILE, run_lock
 from tformer.training.tasks import SPECIALS, SequenceTask
-from tformer.training.tokenizers import BOS_ID, EOS_ID, SEQ2SEQ_SPECIALS
 from tformer.training.trainer import train
 
 # --------------------------------------------------------------------------------------------------
 # The main job
 # --------------------------------------------------------------------------------------------------
-DEMO_MODEL = dict(d_model=128, num_heads=4, num_layers=4, d_ff=512, dropout=0.0)
-DEMO = dict(
-    steps=1800,
-    batch_size=16,
-    block_size=128,
-    lr=2e-3,
-    min_lr=2e-4,
-    warmup=100,
-    eval_every=250,
-    eval_batches=16,
-    save_every=400,
-    log_every=10,
-)
 # The settings that make a run a train-demo run (its length, --steps, may differ).
 DEMO_IDENTITY = (
     "data",

@@ -12,26 +12,17 @@ checkpoints are ordinary ones: ``--resume``, ``sample``, ``explore`` and ``conve
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from torch import nn
+import torch
 
 from tformer.config import ConfigError, TransformerConfig
 from tformer.models import DecoderLM
+from tformer.tokenizers import HFTokenizer, Tokenizer
 from tformer.training.checkpoint import CheckpointError, load_checkpoint
 from tformer.training.config import MODEL_FLAGS, TrainConfig
 from tformer.training.settings import flag_of
-from tformer.training.tokenizers import Tokenizer
 
-# Readers of the formats tformer.interop loads (Hugging Face folders, GGUF files), each (accepts(path), load(path) ->
-# (float32 model, tokenizer)). interop sits above training (it reads tformer's tokenizers and checkpoints), so it
-# plugs its reader in here when it is imported, and training imports no interop code: it loads the plugin module by
-# name (PLUGINS) on first need. A path no reader accepts is read as a tformer run or checkpoint.
-READERS: list[tuple[Callable[[Path], bool], Callable[[Path], tuple[nn.Module, Any]]]] = []
-PLUGINS = ("tformer.interop",)
 CHANGEABLE = ("dropout", "attn_backend")  # the model settings a fine-tuning run may set: they shape no weight
 TOKENIZER_SETTINGS = ("tokenizer", "vocab_size", "unknown")  # the starting model's tokenizer is the run's
 
@@ -40,10 +31,12 @@ def check_init_from(cfg: TrainConfig) -> None:
     """``ConfigError`` (from :meth:`TrainConfig.validate`) for an ``init_from`` that does not exist (unless the run
     resumes: its checkpoint holds the weights), or with settings of the model's shape or of the tokenizer, which come
     from it."""
-    if not cfg.resume and not Path(cfg.init_from).exists():
+    from tformer.interop.shipped import SHIPPED
+
+    if not cfg.resume and not Path(cfg.init_from).exists() and cfg.init_from not in SHIPPED:
         raise ConfigError(
             f"init_from {cfg.init_from} does not exist (--init-from); give a tformer run or checkpoint, a Hugging "
-            "Face folder or a GGUF file",
+            f"Face folder, a GGUF file or a shipped model's name ({', '.join(SHIPPED)})",
             "init_from",
         )
     fixed = [name for name in cfg.model if name not in CHANGEABLE]
@@ -68,15 +61,16 @@ def _leave(names: list[str]) -> str:
     return "leave it out" if len(names) == 1 else "leave them out"
 
 
-def starting_model(cfg: TrainConfig) -> tuple[DecoderLM, Tokenizer]:
+def starting_model(cfg: TrainConfig) -> tuple[DecoderLM, Tokenizer | HFTokenizer]:
     """The model (float32, on the CPU, in train mode) and tokenizer a run with ``cfg.init_from`` starts from;
     ``ValueError`` naming the path for anything that is not a decoder-only language model with a tokenizer."""
-    path = Path(cfg.init_from)
-    for plugin in PLUGINS:
-        importlib.import_module(plugin)  # registers its readers (once: a module is imported once)
-    reader = next((load for accepts, load in READERS if accepts(path)), None)
-    if reader is not None:
-        source, tokenizer = reader(path)
+    from tformer.interop import is_pretrained, load_pretrained  # Hugging Face folders and GGUF files
+    from tformer.interop.shipped import locate
+
+    path = locate(cfg.init_from)  # a shipped model's name (smollm2): its installed file
+    if is_pretrained(path):
+        pretrained = load_pretrained(path, dtype=torch.float32)
+        source, tokenizer = pretrained.model, pretrained.tokenizer
     else:
         try:
             ckpt = load_checkpoint(path)

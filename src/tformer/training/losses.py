@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer.generation.seq2seq import greedy_seq2seq
+from tformer.tokenizers import Tokenizer
 from tformer.training.batches import evaluation_batches
 from tformer.training.checkpoint import unwrap
 from tformer.training.runtime import World
-from tformer.training.tokenizers import Tokenizer
 
 
 def lm_loss_sum(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """Resuming a run (``--resume``): its newest checkpoint, whether it fits this run's settings, and the error for a
-damaged one, naming the newest earlier checkpoint that verifies (nothing is deleted)."""
+damaged one, naming the newest earlier checkpoint that verifies (nothing is deleted). Loading a run to use it
+(``sample``, ``explore``, ...) gives the same hint: :func:`load_newest`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from tformer.config import ConfigError
 from tformer.training.checkpoint import (
     CHECKPOINTS_DIR,
+    MANIFEST,
     STATE,
     Checkpoint,
     CheckpointError,
@@ -37,6 +39,36 @@ def damaged_checkpoint_error(out: str | os.PathLike, err: CheckpointError) -> Ch
         else "no earlier checkpoint verifies; train without --resume into another --out"
     )
     return CheckpointError(f"checkpoint {found[-1].name} is damaged ({err}); {hint}")
+
+
+def load_newest(path: str | os.PathLike, **kwargs) -> Checkpoint:
+    """:func:`load_checkpoint` (``kwargs`` are its own), except that when ``path`` is a run whose newest checkpoint
+    fails to load, the ``CheckpointError`` also names the newest earlier checkpoint that verifies, to load instead
+    (``--checkpoint``): the one hint ``sample``, ``translate``, ``explore`` and ``convert`` give alike."""
+    try:
+        return load_checkpoint(path, **kwargs)
+    except CheckpointError as err:
+        raise damaged_newest_error(path, err) from err
+
+
+def damaged_newest_error(path: str | os.PathLike, err: CheckpointError) -> CheckpointError:
+    """For ``path`` a run directory (or its ``checkpoints`` folder) whose newest checkpoint failed to load with
+    ``err``: an error that also names the newest earlier checkpoint that verifies. ``err`` itself for a specific
+    checkpoint directory (the user chose it: there is nothing to fall back to), or when there is no earlier one."""
+    root = Path(path)
+    if (root / MANIFEST).exists():
+        return err
+    found = list_checkpoints(root / CHECKPOINTS_DIR) or list_checkpoints(root)  # as load_checkpoint looks
+    if not found:
+        return err
+    older = last_good_checkpoint(found[:-1])
+    if older is not None:
+        return CheckpointError(
+            f"the newest checkpoint {found[-1]} is damaged ({err}); delete it, or pass --checkpoint {older}"
+        )
+    return CheckpointError(
+        f"the newest checkpoint {found[-1]} is damaged ({err}); no earlier checkpoint of {path} verifies"
+    )
 
 
 def _weights_only(checkpoint: Path) -> bool:

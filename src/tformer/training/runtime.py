@@ -1,9 +1,9 @@
-"""The process around a training run: devices, ranks under ``torchrun``, Ctrl-C.
+"""The process around a training run: ranks under ``torchrun``, Ctrl-C, the error that stops a run.
 
-The run directory's lock lives in :mod:`tformer.training.rundir`.
+The run directory's lock lives in :mod:`tformer.training.rundir`; which device a name means, in
+:mod:`tformer.runtime` (``resolve_device``, shared with the other commands).
 
-Nothing here knows about models or data; :mod:`tformer.training` uses these pieces, and the CLIs use
-:func:`resolve_device` to check ``--device`` before loading anything.
+Nothing here knows about models or data; :mod:`tformer.training` uses these pieces.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tformer.runtime import resolve_device, unavailable  # noqa: F401  (moved; importable from here too)
 
 
 class TrainingError(RuntimeError):
@@ -60,41 +62,6 @@ def init_world(device_name: str) -> World:
 def triton_interpreter() -> bool:
     """Whether Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``): Triton kernels then run on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def resolve_device(name: str) -> torch.device:
-    """The device ``name`` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``), checked to exist on this machine.
-
-    ``auto`` is CUDA when there is a GPU, else the CPU. Raises ``ValueError`` naming the device and the
-    ``--device`` to use instead (``torch.device`` alone accepts ``cuda`` without a GPU and fails much later).
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {name!r}; use --device auto, cpu, cuda or cuda:N") from None
-    missing = unavailable(device)
-    if missing is not None:
-        why, instead = missing
-        raise ValueError(f"device {name!r} is not available here{why}; use --device {instead}")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device {name!r} is not supported; use --device auto, cpu, cuda or cuda:N")
-    return device
-
-
-def unavailable(device: torch.device) -> tuple[str, str] | None:
-    """``None`` if this machine has ``device`` (or torch cannot tell: a type other than CUDA and MPS), else why not
-    (to follow "is not available here") and the device to use instead."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return " (torch.cuda.is_available() is False)", "cpu"
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            return f": this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}", "cuda:0"
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        return " (torch.backends.mps.is_available() is False)", "cpu"
-    return None
 
 
 def all_ranks_agree(world: World, device: torch.device, ok: bool) -> bool:

@@ -1,7 +1,7 @@
 """The built-in sequence-to-sequence tasks, generated on the fly.
 
 Every built-in task maps a source sequence of symbols to a target sequence over one shared vocabulary: ``<pad>=0,
-<bos>=1, <eos>=2`` (:data:`tformer.training.tokenizers.SEQ2SEQ_SPECIALS`), then the task's symbols (``alphabet``: symbol
+<bos>=1, <eos>=2`` (:data:`tformer.tokenizers.SEQ2SEQ_SPECIALS`), then the task's symbols (``alphabet``: symbol
 ``i`` is character ``alphabet[i]`` and id ``3 + i``). Sequences are drawn from a seeded generator, and a held-out set is
 kept out of training so accuracy is measured on sequences the model never saw.
 
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from tformer.tokenizers import BOS_ID, EOS_ID, SEQ2SEQ_SPECIALS
 
-from tformer.models import pad_right
-from tformer.training.tokenizers import BOS_ID, EOS_ID, SEQ2SEQ_SPECIALS
+if TYPE_CHECKING:  # torch is imported where examples are drawn: TrainConfig names the tasks without it
+    import torch
+    from torch import Tensor
 
 SPECIALS = len(SEQ2SEQ_SPECIALS)  # the task's symbols start after <pad>, <bos>, <eos>
 
@@ -101,6 +102,8 @@ class SequenceTask:
         return self.max_len + 3 if self.name == "add" else self.max_len + 2  # BOS ... EOS (a sum may carry)
 
     def sample_source(self, gen: torch.Generator) -> tuple[int, ...]:
+        import torch
+
         if self.name == "add":
             a, b = (self._sample_number(gen) for _ in range(2))
             return (*a, PLUS, *b)
@@ -109,6 +112,8 @@ class SequenceTask:
 
     def _sample_number(self, gen: torch.Generator) -> list[int]:
         """Digit ids of a number with ``min_len..max_len`` digits (no leading zero unless it is 0)."""
+        import torch
+
         length = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=gen))
         low = 0 if length == 1 else 10 ** (length - 1)
         value = low + int(torch.randint(0, 10**length - low, (1,), generator=gen))
@@ -147,6 +152,8 @@ class SequenceTask:
         return TASKS[self.name](list(source))
 
     def held_out(self, count: int, seed: int = 1234) -> list[tuple[int, ...]]:
+        import torch
+
         gen = torch.Generator().manual_seed(seed)
         return [self.sample_source(gen) for _ in range(count)]
 
@@ -162,6 +169,8 @@ class SequenceTask:
         return self.collate(sources)
 
     def collate(self, sources: list[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        from tformer.models import pad_right
+
         targets = [[BOS_ID, *self.target(s), EOS_ID] for s in sources]
         src, src_mask = pad_right(sources)
         tgt, tgt_mask = pad_right(targets)

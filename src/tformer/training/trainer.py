@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from tformer.config import ConfigError
 from tformer.models import check_inputs
+from tformer.runtime import resolve_device
 from tformer.training.checkpoint import Checkpoint, CheckpointError, find_latest, model_class, save_checkpoint
 from tformer.training.config import TrainConfig, TrainResult, model_config
 from tformer.training.corpus import CorpusScan, scan_corpus
@@ -56,7 +57,7 @@ from tformer.training.optim import autocast_dtype, cpu_has_native_bfloat16, lr_a
 from tformer.training.pairs import check_pairs_file
 from tformer.training.resume import check_out_outside_data, check_same_data, checkpoint_to_resume
 from tformer.training.rundir import METRICS_FILE, claimed
-from tformer.training.runtime import StopFlag, TrainingError, World, init_world, resolve_device
+from tformer.training.runtime import StopFlag, TrainingError, World, init_world
 
 Init = Callable[[nn.Module], None]
 
