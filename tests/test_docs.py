@@ -63,6 +63,7 @@ def test_the_documents_have_python_blocks_to_run():
     assert any(p.marks for p in python_blocks()), "no block loads a shipped model: the slow tier checks nothing"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("path", "line", "code"), python_blocks())
 def test_every_python_block_runs_as_written(path: Path, line: int, code: str, tmp_path: Path):
     timeout = SLOW_TIMEOUT_S if SHIPPED.search(code) else FAST_TIMEOUT_S

@@ -168,6 +168,7 @@ def test_ctrl_c_outside_the_training_loop_exits_130(tmp_path, capsys, monkeypatc
     assert _error_line(capsys) == "tformer: interrupted"
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_while_torch_loads_exits_130_without_a_traceback(tmp_path):
     """``import tformer`` does not load torch, so the CLI holds Ctrl-C back before torch's ~1 s import starts
     (Python itself is up in ~0.1 s), and ends the command with 130 once the imports are done."""
@@ -207,6 +208,7 @@ def test_ctrl_c_is_held_back_until_the_block_ends():
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.subprocess
 def test_package_names_load_lazily_and_match_the_type_checking_imports():
     """``import tformer`` alone imports no torch; every name of ``__all__`` resolves to its module's object; the
     ``TYPE_CHECKING`` imports of ``tformer/__init__.py`` (for type checkers) name exactly ``__all__``."""
@@ -406,6 +408,7 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback(capsys, monke
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_and_a_closed_pipe_end_the_process_without_a_traceback(tmp_path):
     command = [sys.executable, "-m", "tformer", "--help"]  # output buffered until the exit: the hardest case
@@ -438,6 +441,7 @@ def test_a_system_error_inside_a_command_is_one_line_and_exit_1(capsys):
         report_errors("sample", reader_gone)
 
 
+@pytest.mark.subprocess
 def test_the_cli_module_itself_imports_no_torch():
     """Ctrl-C while torch loads must reach main()'s handler; the command modules are imported inside main() (the
     package's __init__, imported first by the console script, still imports torch)."""
@@ -452,6 +456,7 @@ def test_the_cli_module_itself_imports_no_torch():
     assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr
 
 
+@pytest.mark.subprocess
 def test_help_and_a_mistyped_command_answer_without_importing_torch():
     """Every command's parser is built from modules that import no torch (it loads inside the commands), so
     ``tformer --help``, ``tformer COMMAND --help`` and a mistyped command answer at once."""

@@ -499,6 +499,7 @@ def test_text_stream_writes_as_it_goes_and_never_half_a_character():
     assert writes[-1] == "prompt"
 
 
+@pytest.mark.subprocess
 def test_cli_end_to_end_in_a_subprocess(lm_run, seq2seq_run):
     ckpt = load_checkpoint(lm_run)
     new = generate(ckpt.model, [ckpt.tokenizer.encode("ab")], max_new_tokens=12, seed=7, temperature=0.8)[0]

@@ -184,6 +184,7 @@ def test_cli_experiment_prints_a_table_and_writes_a_png(tmp_path, capsys):
     assert "known experiments: scaling" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_cli_report_quick_writes_report_referencing_existing_pngs(tmp_path, capsys):
     assert main(["report", "--quick", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()

@@ -62,6 +62,7 @@ def one_line_error(err: str, command: str = "report") -> str:
 # --------------------------------------------------------------------------------------------------
 # Several checkpoints
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.subprocess
 def test_checkpoints_of_the_same_folder_name_get_their_own_sections_and_figures(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     tiny_run(Path("runs/a"), layers=1, seed=0)
@@ -249,6 +250,7 @@ def test_an_interrupted_report_leaves_nothing(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------------
 # --only trained
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.subprocess
 def test_each_stage_says_on_stderr_what_it_runs_and_how_long_it_took(tmp_path, monkeypatch, capsys):
     """Wherever stdout goes (a file, a pipe), stderr says what the report is doing: a line as each stage starts,
     one with its time as it ends; the tables follow on stdout as each is done."""
@@ -281,6 +283,7 @@ def test_the_page_names_a_shipped_model_so_its_command_reruns_anywhere(minilm_pa
     assert report.shown_path("/x/lib/site-packages/pkg/model") == "<site-packages>/pkg/model"
 
 
+@pytest.mark.subprocess
 def test_only_trained_combines_with_experiment_names(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     tiny_run(Path("runs/a"))

@@ -55,6 +55,7 @@ def test_a_task_checkpoint_is_measured_on_a_probe_of_its_own_characters(tmp_path
     assert again.text == result.text and again.layers == result.layers and again.grad_norms == result.grad_norms
 
 
+@pytest.mark.subprocess
 def test_a_task_checkpoint_gets_its_report_section(tmp_path, monkeypatch, capsys):
     """The new user's commands (``tformer train --task reverse``, then ``report --only trained``) exit 0."""
     monkeypatch.chdir(tmp_path)

@@ -264,6 +264,7 @@ def test_sample_chat_on_smollm2_prints_the_models_reply_alone(smollm, smollm_ggu
     assert out == "The capital of France is Paris.\n" and len(new) < 24  # it answered, and ended its turn
 
 
+@pytest.mark.subprocess
 def test_sample_decodes_over_a_static_cache_only_within_the_trained_context(tiny_gguf, capsys, monkeypatch):
     import tformer.generation.text as text
 

@@ -142,6 +142,7 @@ def test_a_converted_run_is_not_resumed_but_fine_tuned(corpus, tmp_path, capsys,
     assert load_checkpoint(tmp_path / "ft").config == load_checkpoint(run).config
 
 
+@pytest.mark.subprocess
 def test_the_command_line_fine_tunes_a_gguf_file_in_a_fresh_interpreter(corpus, tmp_path, source_gguf):
     # a new process has not imported tformer.interop (import tformer is lazy): the reader must be found anyway
     out = tmp_path / "ft"

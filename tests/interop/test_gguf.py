@@ -122,6 +122,7 @@ def test_a_damaged_cached_conversion_is_converted_again_with_a_warning(tmp_path)
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # the damaged copy is gone
 
 
+@pytest.mark.subprocess
 def test_a_conversion_killed_midway_leaves_a_folder_the_next_one_removes(tmp_path):
     """A ``kill -9`` leaves ``.tmp-NAME-PID-HEX`` (an interrupted write removes its own): the next write of NAME
     removes those of processes that no longer run, and leaves a running one's and other names' alone."""

@@ -78,6 +78,7 @@ def test_sinusoid_rotation_error_detects_a_wrong_layout():
     assert trained.sinusoid_rotation_error(half, "interleaved") > 0.1  # the pairs read the wrong columns
 
 
+@pytest.mark.subprocess
 def test_report_with_a_checkpoint_writes_the_trained_section(with_tokenizer, tmp_path, capsys):
     path = with_tokenizer("llama")
     out = tmp_path / "report"

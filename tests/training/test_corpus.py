@@ -171,6 +171,7 @@ def test_temporary_folders_of_dead_writers_are_removed_and_live_ones_kept(folder
     assert sorted(p.name for p in cache.glob(".tmp-*")) == [recent.name]  # the lock is free: its writer is gone
 
 
+@pytest.mark.subprocess
 def test_a_writer_killed_by_sigkill_releases_its_lock(tmp_path):
     tmp = _stale_temp(tmp_path, ".tmp-abc-1-33333333")
     holder = (
