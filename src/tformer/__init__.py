@@ -85,10 +85,12 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+# Subpackages reachable as attributes after ``import tformer`` (``tformer.engine.accelerate``), imported on first use
+SUBPACKAGES = ("attention", "claims", "engine", "experiments", "explore", "generation", "interop", "training")
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _EXPORTS.get(name)
+    module_name = _EXPORTS.get(name) or (f"tformer.{name}" if name in SUBPACKAGES else None)
     if module_name is None:
         raise AttributeError(f"module 'tformer' has no attribute {name!r}")
     module = importlib.import_module(module_name)
@@ -98,7 +100,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(SUBPACKAGES))
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly

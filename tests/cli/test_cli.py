@@ -229,6 +229,8 @@ def test_package_names_load_lazily_and_match_the_type_checking_imports():
     assert imported == set(tformer.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = tformer.nope
+    for name in tformer.SUBPACKAGES:  # tformer.engine.accelerate works after import tformer alone
+        assert getattr(tformer, name) is importlib.import_module(f"tformer.{name}")
 
 
 def test_help_is_plain_and_complete(capsys):

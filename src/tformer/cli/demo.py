@@ -24,7 +24,7 @@ DEMO_TASKS = ["reverse", "sort", "copy"]
 def add_cli(subparsers) -> None:
     d = subparsers.add_parser(
         "train-demo",
-        help="the main job: a small GPT on the Python stdlib (3-5 min on 2 cores)",
+        help="the main job: a small GPT on the Python stdlib (4-6 min on 2 cores)",
         description="Train a 4-layer GPT (d_model 128, byte-level, context 128) on the Python standard library, "
         "then print its validation loss and a sample, and write the loss plot. --out is replaced each time, but "
         "only if it holds an earlier train-demo run.",

@@ -286,8 +286,7 @@ class IncrementalLM:
             return self._last_logits(self.ids[:, self.base : self.length], None)
         return self.model(tokens[:, None], self._mask(), self.cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
 
-    def _last_logits(self, ids: Tensor, cache: list | None) -> Tensor:
-        """The logits after the last of ``ids (B, P)``, ``(B, V)``: the head's product for that position alone."""
+    def _last_logits(self, ids: Tensor, cache: list | None) -> Tensor:  # the head's product for one position
         return self.model.logits(self.model.hidden(ids, self._mask(), cache)[:, -1])
 
     def _restart(self) -> Tensor:
@@ -409,6 +408,7 @@ def generate(
             can claim it any more (tokens that might begin a stop are held back); the calls spell exactly the
             returned lists.
 
+    The model is accelerated in place (:func:`tformer.engine.accelerate`, undone by :func:`tformer.engine.plain`).
     Raises ``ValueError`` for an empty prompt, ids outside the vocabulary, bad sampling settings or seeds, or
     NaN (or infinite) logits from the model: checked once on the prompt's logits (a model with a NaN weight
     gives them there), and, when sampling, at every draw at no extra cost.

@@ -71,7 +71,10 @@ def missing(checkpoint: str | os.PathLike) -> str:
     is told the known names; a path with a folder in it is plainly a path)."""
     text = os.fspath(checkpoint)
     if "/" in text or os.sep in text:
-        return f"{text}: no such file or directory"
+        return (
+            f"{text}: no such file or directory; a checkpoint is a tformer run (tformer train --out DIR; make demo "
+            f"writes runs/demo), a Hugging Face folder, a .gguf file or a shipped model's name ({known_names()})"
+        )
     shipped = f"the name of a model tformer ships ({known_names()}; {INSTALL} installs them)"
     return f"{text}: no such file or directory, nor {shipped}"
 
