@@ -117,14 +117,14 @@ def forward(
             f"with a static cache of capacity {cache.capacity}: keys must be {(ids.shape[0], cache.capacity)} "
             f"and positions {tuple(ids.shape)}; got {tuple(keys.shape)} and {tuple(positions.shape)}"
         )
-    columns = torch.arange(cache.capacity, device=ids.device)
-    self_mask = keys[:, None, None, :] & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
     rope = decoder.rotary(positions) if decoder.rotary is not None else None  # tables reserved by static_cache
     x = decoder.embed(ids, positions)  # (B, T, C)
     stack = fused.plan(decoder.stack.blocks, x, caches)  # a decode step: the blocks as one kernel call
-    if stack is not None:
+    if stack is not None:  # the op masks by keys and the slot itself
         h = decoder.stack.final_norm(fused.step(stack, x, [layer.self_kv for layer in caches], keys, rope))
     else:
+        columns = torch.arange(cache.capacity, device=ids.device)
+        self_mask = keys[:, None, None, :] & (columns[None, :] <= cache.slots[:, None])  # (B, 1, T, S)
         h = decoder.stack(x, caches=caches, self_mask=self_mask, is_causal=False, rope=rope)  # (B, T, C)
     return model.logits(h[:, -1:] if last_only else h)
 
