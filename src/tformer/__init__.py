@@ -3,8 +3,9 @@
 Layers of the package (dependencies point one way; modules of one layer may use each other):
     the core: config, functional <- attention <- positions, layers <- models;
     then tokenizers, runtime (shared above the core) <- engine (the CPU decode engine, applied from outside: the core
-    imports nothing of it) <- generation <- interop (Hugging Face and GGUF checkpoints) <- training <- experiments,
-    claims <- explore (the page) <- cli (tests/test_layout.py holds it).
+    imports nothing of it) <- generation <- interop (Hugging Face and GGUF checkpoints), hooks (named activations) <-
+    training, circuits (lens, attribution, patching) <- experiments, claims <- explore (the page), evaluation
+    (benchmark scores) <- cli (tests/test_layout.py holds it).
 
 Shapes: one legend for the whole package. Each module's docstring names the letters it uses, and comments give a
 tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading dims.
@@ -18,6 +19,9 @@ tensor's shape in them, e.g. ``(B, H, T, D)``; ``...`` stands for any leading di
     W        context window (the positions of a learned table)
     K        beams per source
     C        model width, d_model
+    F        feed-forward hidden width, d_ff
+    NL       blocks (layers) of a model
+    Nc       components of a residual-stream decomposition
     V        vocabulary size
     M        rows of a linear layer's input (its leading dims flattened)
     I        input features of a linear layer
@@ -82,11 +86,25 @@ _EXPORTS = {
     "save_pretrained": "tformer.interop",
     "quantize": "tformer.engine.quantization",
     "pack_weights": "tformer.engine.memory",
+    "evaluate": "tformer.evaluation.runner",
+    "EvalError": "tformer.evaluation.data",
 }
 
 __all__ = sorted(_EXPORTS)
 # Subpackages reachable as attributes after ``import tformer`` (``tformer.engine.accelerate``), imported on first use
-SUBPACKAGES = ("attention", "claims", "engine", "experiments", "explore", "generation", "interop", "training")
+SUBPACKAGES = (
+    "attention",
+    "circuits",
+    "claims",
+    "engine",
+    "evaluation",
+    "experiments",
+    "explore",
+    "generation",
+    "hooks",
+    "interop",
+    "training",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -108,6 +126,8 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tformer.config import ConfigError, TransformerConfig
     from tformer.engine.memory import pack_weights
     from tformer.engine.quantization import quantize
+    from tformer.evaluation.data import EvalError
+    from tformer.evaluation.runner import evaluate
     from tformer.generation.chat import ChatTemplateError, chat_prompt
     from tformer.generation.sampling import generate
     from tformer.generation.seq2seq import beam_search, greedy_seq2seq

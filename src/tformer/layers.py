@@ -17,7 +17,31 @@ from torch import Tensor, nn
 
 from tformer import attention
 from tformer.config import TransformerConfig
+from tformer.functional import attention_scores
 from tformer.positions import RotaryEmbedding
+
+
+# --------------------------------------------------------------------------------------------------
+# Hook points
+# --------------------------------------------------------------------------------------------------
+class Tapped:
+    """A module with hook points: named places in its forward where :mod:`tformer.hooks` may read or replace an
+    activation. ``taps`` is ``None`` unless hooks are attached, and then every point is ``x`` itself: the forward is
+    the same function, bit for bit. Attached, ``taps(name, x)`` runs the hooks of point ``name`` and returns what
+    they leave; ``taps.wants(*names)`` says whether any of those points has a hook (for values computed only then)."""
+
+    taps = None
+
+
+def tap(module: Tapped, name: str, x: Tensor) -> Tensor:
+    """Hook point ``name`` of ``module``: ``x``, or what the attached hooks made of it (:class:`Tapped`)."""
+    taps = module.taps
+    return x if taps is None else taps(name, x)
+
+
+def wants(module: Tapped, *names: str) -> bool:
+    """Whether a hook is attached to any of ``module``'s points ``names``."""
+    return module.taps is not None and module.taps.wants(*names)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,7 +100,7 @@ class LayerCache:
 # --------------------------------------------------------------------------------------------------
 # Attention and feed-forward
 # --------------------------------------------------------------------------------------------------
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(Tapped, nn.Module):
     """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O``, ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
 
     Each of ``W^Q, W^K, W^V, W^O`` is ``d_model x d_model`` (``h`` heads of ``d_k = d_model/h``), so the
@@ -85,6 +109,10 @@ class MultiHeadAttention(nn.Module):
     does one matmul; cross-attention projects queries from ``x`` and keys/values from ``context``.
     With ``num_kv_heads < num_heads`` (grouped-query attention) ``W^K, W^V`` shrink to ``C x Hkv*D``.
     ``qkv_bias`` (default: ``bias``) gives the input projections biases of their own (Qwen2: only they have some).
+
+    Hook points (:class:`Tapped`): ``hook_q, hook_k, hook_v`` (new tokens, before RoPE), ``hook_rot_q, hook_rot_k``,
+    ``hook_attn_scores, hook_pattern`` (computed only when hooked), ``hook_z`` (heads' outputs), ``hook_result``
+    (each head's term of the output, computed only when hooked).
     """
 
     def __init__(
@@ -145,6 +173,7 @@ class MultiHeadAttention(nn.Module):
         if context is None:  # self-attention: one matmul gives the H query heads, then Hkv key and Hkv value heads
             qkv = self.in_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, T, D)
             q, k, v = qkv.split_with_sizes([H, Hkv, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+            q, k, v = tap(self, "hook_q", q), tap(self, "hook_k", k), tap(self, "hook_v", v)
             if self.rotary is not None:
                 if rope is None:  # called on its own: look the angles up here
                     past = cache.self_kv.length if cache is not None else 0
@@ -153,23 +182,53 @@ class MultiHeadAttention(nn.Module):
                     self.rotary.reserve(past + T)
                     rope = self.rotary(positions)
                 q, k = self.rotary.rotate(q, rope), self.rotary.rotate(k, rope)
+                q, k = tap(self, "hook_rot_q", q), tap(self, "hook_rot_k", k)
             if cache is not None:
                 k, v = cache.self_kv.update(k, v)  # (B, Hkv, past + T, D)
         else:  # cross-attention: queries from x, keys and values from the context
             weight, bias = self.in_proj.weight, self.in_proj.bias
-            q = self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), H)
+            q = tap(self, "hook_q", self._heads(F.linear(x, weight[:C], None if bias is None else bias[:C]), H))
             if cache is not None and cache.cross_kv is not None:
                 k, v = cache.cross_kv
             else:
                 kv = F.linear(context, weight[C:], None if bias is None else bias[C:])  # (B, S, 2*Hkv*D)
                 k, v = self._heads(kv, 2 * Hkv).split_with_sizes([Hkv, Hkv], dim=1)  # (B, Hkv, S, D) x2
+                k, v = tap(self, "hook_k", k), tap(self, "hook_v", v)
                 if cache is not None:
                     cache.cross_kv = (k, v)
         dropout_p = self.dropout if self.training else 0.0
-        # q, k, v are right by construction: skip the argument checks of scaled_dot_product_attention
-        out = attention.attend(q, k, v, attn_mask, is_causal, None, dropout_p, attention.resolve(self.backend))
-        out = out.transpose(1, 2).reshape(B, T, C)  # (B, H, T, D) -> (B, T, C)
-        return self.out_proj(out)
+        if wants(self, "hook_attn_scores", "hook_pattern"):
+            out = self._attend_shown(q, k, v, attn_mask, is_causal, dropout_p)
+        else:  # q, k, v are right by construction: skip the argument checks of scaled_dot_product_attention
+            out = attention.attend(q, k, v, attn_mask, is_causal, None, dropout_p, attention.resolve(self.backend))
+        z = tap(self, "hook_z", out.transpose(1, 2).reshape(B, T, H, D))  # (B, H, T, D) -> (B, T, H, D), one copy
+        if wants(self, "hook_result"):
+            return self._sum_heads(z)
+        return self.out_proj(z.reshape(B, T, C))  # concat(heads) W^O
+
+    def _attend_shown(
+        self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, dropout_p: float
+    ) -> Tensor:
+        """Attention with its scores ``(B, H, T, S)`` (scaled, forbidden entries ``-inf``) and pattern at hook points:
+        the pattern the hooks leave is the one that weighs the values. Key/value head ``j // (H/Hkv)`` serves query
+        head ``j`` (grouped-query attention)."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+        scores = tap(self, "hook_attn_scores", attention_scores(q, k, attn_mask, is_causal))
+        # masked_softmax's result in two passes: a row with every key masked (padding) is NaN, then 0
+        pattern = tap(self, "hook_pattern", torch.softmax(scores, dim=-1).nan_to_num_(0.0))
+        if dropout_p > 0.0:
+            pattern = F.dropout(pattern, p=dropout_p)
+        return pattern @ v  # (B, H, T, S) @ (B, H, S, D)
+
+    def _sum_heads(self, z: Tensor) -> Tensor:
+        """``out = sum_h z_h W^O_h + b`` with each head's term ``(B, T, H, C)`` at hook point ``hook_result``."""
+        B, T, H, D = z.shape
+        w_o = self.out_proj.weight.view(self.d_model, H, D)  # (C, H*D) -> (C, H, D): head h's columns of W^O
+        result = tap(self, "hook_result", torch.einsum("bthd,chd->bthc", z, w_o.to(z.dtype)))
+        out = result.sum(dim=2)  # (B, T, C)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -180,8 +239,11 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-class FeedForward(nn.Module):
-    """Position-wise ``FFN(x) = W_2 act(W_1 x + b_1) + b_2`` with ``W_1: C -> d_ff``, ``W_2: d_ff -> C``."""
+class FeedForward(Tapped, nn.Module):
+    """Position-wise ``FFN(x) = W_2 act(W_1 x + b_1) + b_2`` with ``W_1: C -> d_ff``, ``W_2: d_ff -> C``.
+
+    Hook points (:class:`Tapped`): ``hook_pre`` (``W_1 x + b_1``; gated: ``W_g x``), ``hook_pre_linear`` (gated:
+    ``W_1 x``), ``hook_post`` (what ``W_2`` multiplies), each ``(B, T, d_ff)``."""
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = True, dropout: float = 0.0, activation: str = "relu"):
         super().__init__()
@@ -194,7 +256,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x (B, T, C)`` -> ``W_2 act(W_1 x)``, ``(B, T, C)``: each position on its own."""
-        h = self.activation(self.up(x))
+        h = tap(self, "hook_post", self.activation(tap(self, "hook_pre", self.up(x))))
         return self.down(self.dropout(h) if self.training else h)  # eval: skip the call (decoding is per-call bound)
 
 
@@ -211,16 +273,46 @@ class GatedFeedForward(FeedForward):
     def forward(self, x: Tensor) -> Tensor:
         """``x (B, T, C)`` -> ``W_2 (act(W_g x) * (W_1 x))``, ``(B, T, C)``."""
         gate, up = self.up(x).chunk(2, dim=-1)  # (B, T, 2 d_ff) -> 2 x (B, T, d_ff)
-        h = self.activation(gate) * up
+        h = self.activation(tap(self, "hook_pre", gate)) * tap(self, "hook_pre_linear", up)
+        h = tap(self, "hook_post", h)
         return self.down(self.dropout(h) if self.training else h)
 
 
-def make_norm(cfg: TransformerConfig) -> nn.Module:
+class LayerNorm(Tapped, nn.LayerNorm):
+    """``(x - mean) / scale * g + b`` with ``scale = sqrt(var + eps)``: PyTorch's kernel, or, with hooks attached,
+    the formula with hook points ``hook_scale (B, T, 1)`` and ``hook_normalized`` (``(x - mean) / scale``, before
+    ``g`` and ``b``: TransformerLens's convention)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.taps is None:
+            return super().forward(x)
+        var, mean = torch.var_mean(x, dim=-1, unbiased=False, keepdim=True)  # one pass over x for both
+        scale = tap(self, "hook_scale", (var + self.eps).sqrt())
+        out = tap(self, "hook_normalized", (x - mean) / scale)
+        out = out if self.weight is None else out * self.weight
+        return out if self.bias is None else out + self.bias
+
+
+class RMSNorm(Tapped, nn.RMSNorm):
+    """``x / scale * g`` with ``scale = sqrt(mean(x^2) + eps)``: PyTorch's kernel, or, with hooks attached, the
+    formula with hook points ``hook_scale (B, T, 1)`` and ``hook_normalized`` (``x / scale``, before ``g``:
+    TransformerLens's convention)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.taps is None:
+            return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
+        scale = tap(self, "hook_scale", (x.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt())
+        out = tap(self, "hook_normalized", x / scale)
+        return out if self.weight is None else out * self.weight
+
+
+def make_norm(cfg: TransformerConfig) -> LayerNorm | RMSNorm:
     """The norm of every sublayer: ``LayerNorm`` (``(x - mean) / std * g + b``) or ``RMSNorm`` (``x / rms(x) * g``,
     Zhang & Sennrich 2019), with ``cfg.layer_norm_eps`` inside the root."""
     if cfg.norm == "rms":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        return RMSNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+    return LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
 
 
 def make_feed_forward(cfg: TransformerConfig) -> FeedForward:
@@ -242,11 +334,17 @@ class Pooler(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # The residual block and the stack
 # --------------------------------------------------------------------------------------------------
-class TransformerBlock(nn.Module):
+class TransformerBlock(Tapped, nn.Module):
     """Self-attention, optional cross-attention, feed-forward: each a residual sublayer.
 
     Pre-LN (``norm_first=True``):  ``x <- x + F(LN(x))``  -- an identity path from output to input.
     Post-LN (``norm_first=False``): ``x <- LN(x + F(x))``  -- the 2017 paper; every gradient crosses every LN.
+
+    Hook points (:class:`Tapped`), each ``(B, T, C)``: ``hook_resid_pre``; ``hook_attn_out``; ``hook_resid_mid``
+    (the sum after attention, before Post-LN's norm); ``hook_cross_attn_out`` and ``hook_resid_mid_cross``;
+    ``hook_mlp_in`` (the stream entering the feed-forward sublayer, before a Pre-LN norm; replacing it leaves the
+    residual stream as it is); ``hook_mlp_out``; ``hook_resid_post`` (Pre-LN: the block's output; Post-LN: the sum
+    before the last norm, whose output is ``hook_normalized_resid_post``).
     """
 
     def __init__(self, cfg: TransformerConfig, *, cross_attention: bool, rotary: RotaryEmbedding | None = None):
@@ -295,15 +393,24 @@ class TransformerBlock(nn.Module):
         def cross(h: Tensor) -> Tensor:
             return self.cross_attn(h, memory, memory_mask, cache=cache)
 
+        def mlp(h: Tensor) -> Tensor:
+            return tap(self, "hook_mlp_out", self._drop(self.ff(h)))
+
+        x = tap(self, "hook_resid_pre", x)
         if self.norm_first:  # Pre-LN: x <- x + F(LN(x))
-            x = x + self._drop(attend(self.self_attn_norm(x)))
+            a = tap(self, "hook_attn_out", self._drop(attend(self.self_attn_norm(x))))
+            x = tap(self, "hook_resid_mid", x + a)
             if self.cross_attn is not None:
-                x = x + self._drop(cross(self.cross_attn_norm(x)))
-            return x + self._drop(self.ff(self.ff_norm(x)))
-        x = self.self_attn_norm(x + self._drop(attend(x)))  # Post-LN: x <- LN(x + F(x))
+                c = tap(self, "hook_cross_attn_out", self._drop(cross(self.cross_attn_norm(x))))
+                x = tap(self, "hook_resid_mid_cross", x + c)
+            return tap(self, "hook_resid_post", x + mlp(self.ff_norm(tap(self, "hook_mlp_in", x))))
+        a = tap(self, "hook_attn_out", self._drop(attend(x)))  # Post-LN: x <- LN(x + F(x))
+        x = self.self_attn_norm(tap(self, "hook_resid_mid", x + a))
         if self.cross_attn is not None:
-            x = self.cross_attn_norm(x + self._drop(cross(x)))
-        return self.ff_norm(x + self._drop(self.ff(x)))
+            c = tap(self, "hook_cross_attn_out", self._drop(cross(x)))
+            x = self.cross_attn_norm(tap(self, "hook_resid_mid_cross", x + c))
+        m = mlp(tap(self, "hook_mlp_in", x))
+        return tap(self, "hook_normalized_resid_post", self.ff_norm(tap(self, "hook_resid_post", x + m)))
 
 
 class BlockStack(nn.Module):

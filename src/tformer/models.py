@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from tformer.config import TransformerConfig
 from tformer.functional import causal_mask
-from tformer.layers import BlockStack, LayerCache, Pooler, init_weights, make_norm
+from tformer.layers import BlockStack, LayerCache, Pooler, Tapped, init_weights, make_norm, tap
 from tformer.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
@@ -126,10 +126,12 @@ def self_attention_mask(mask: Tensor | None, length: int, past: int, causal: boo
     return allowed, False
 
 
-class Embedder(nn.Module):
+class Embedder(Tapped, nn.Module):
     """``x = E[ids] * scale + PE[positions] (+ E_type[token types])``, then a norm (BERT) and dropout.
 
-    The scale is ``sqrt(C)`` in the 2017 model (``cfg.embed_scale``; ``None``: the model's own ``scale``).
+    The scale is ``sqrt(C)`` in the 2017 model (``cfg.embed_scale``; ``None``: the model's own ``scale``). Hook points
+    (:class:`tformer.layers.Tapped`), each ``(B, T, C)``: ``hook_embed`` (``E[ids] * scale``), ``hook_pos_embed``,
+    ``hook_token_type_embed``.
     """
 
     def __init__(self, cfg: TransformerConfig, *, scale: bool, tokens: nn.Embedding | None = None):
@@ -167,10 +169,12 @@ class Embedder(nn.Module):
             raise
         if self.scale != 1.0:
             x = x * self.scale
+        x = tap(self, "hook_embed", x)
         if self.positions is not None:
-            x = x + self.positions(positions)  # (T, C) or (B, T, C)
+            x = x + tap(self, "hook_pos_embed", self.positions(positions).expand_as(x))  # (T, C) or (B, T, C)
         if self.token_types is not None:
-            x = x + (self.token_types.weight[0] if token_types is None else self._types(token_types, ids))
+            types = self.token_types.weight[0] if token_types is None else self._types(token_types, ids)
+            x = x + tap(self, "hook_token_type_embed", types.expand_as(x))
         elif token_types is not None:
             raise ValueError("token_types given, but this model has no token-type embeddings (type_vocab_size=0)")
         if self.norm is not None:
@@ -343,7 +347,7 @@ def logits_bias(module: nn.Module, cfg: TransformerConfig) -> None:
         module.logits_bias = None
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(Tapped, nn.Module):
     """The Transformer of Vaswani et al. (2017): ``logits = head(Decoder(tgt, Encoder(src)))``.
 
     Embeddings are scaled by ``sqrt(d_model)``; with ``tie_embeddings`` the source embedding, the target
@@ -374,7 +378,7 @@ class EncoderDecoder(nn.Module):
     ) -> Tensor:
         """``tgt_ids (B, T)`` and ``memory (B, S, C)`` -> logits ``(B, T, V)``."""
         h = self.decoder(tgt_ids, memory, tgt_mask, src_mask, cache)  # (B, T, C)
-        return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
+        return tap(self, "hook_unembed", project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias))
 
     def forward(
         self, src_ids: Tensor, tgt_ids: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
@@ -389,8 +393,11 @@ class EncoderDecoder(nn.Module):
         return self.decoder.new_cache()
 
 
-class DecoderLM(nn.Module):
-    """GPT-style decoder-only language model: ``logits = head(Decoder(ids))`` with no cross-attention."""
+class DecoderLM(Tapped, nn.Module):
+    """GPT-style decoder-only language model: ``logits = head(Decoder(ids))`` with no cross-attention.
+
+    Hook point (:class:`tformer.layers.Tapped`): ``hook_unembed``. With hooks attached anywhere in the model its own
+    ``taps`` is set too, so decoding can tell at no cost (:mod:`tformer.hooks`)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -413,7 +420,7 @@ class DecoderLM(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """The output head: hidden states ``(B, T, C)`` -> logits ``(B, T, V)``."""
-        return project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias)
+        return tap(self, "hook_unembed", project_logits(h, self.head, self.decoder.embed.tokens, self.logits_bias))
 
     def new_cache(self) -> list[LayerCache]:
         """An empty key/value cache, one entry per block, for incremental decoding."""

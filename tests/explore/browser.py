@@ -118,13 +118,26 @@ def serving(checkpoint: str | Path):
         server.server_close()
 
 
-def screenshot(checkpoint: str, out: str, prompt: str = "def fibonacci(n):\n    return") -> None:
+def screenshot(
+    checkpoint: str,
+    out: str,
+    prompt: str = "def fibonacci(n):\n    return",
+    corrupted: str = "def fibonacci(n):\n    yield ",
+) -> None:
+    """The page on ``prompt`` with one map enlarged, one head ablated and ``corrupted`` patched into ``prompt``."""
     executable = chromium_path()
     if executable is None:
         raise SystemExit("no Chromium found: install Debian's chromium package (make browser) or set TFORMER_CHROMIUM")
     with serving(checkpoint) as server, browser_session(server.url, executable) as session:
         session.analyze(prompt)
-        session.page.click("#grids canvas >> nth=5")
+        page = session.page
+        page.click("#grids canvas >> nth=5")
+        before = page.locator("#bars").get_attribute("data-ready")
+        page.click("#grids canvas >> nth=9", modifiers=["Shift"])  # ablates layer 2, head 1
+        session.until(lambda: page.locator("#bars").get_attribute("data-ready") != before, "the ablated bars")
+        page.fill("#patch-corrupted", corrupted)
+        page.click("#patch-run")
+        session.until(lambda: page.locator("#patch-map").get_attribute("data-ready"), "the patching map", 300)
         session.page.screenshot(path=out, full_page=True)
         if session.outside or session.errors:
             raise SystemExit(f"the page asked for {session.outside} or logged {session.errors}")

@@ -12,7 +12,7 @@ import torch
 from tformer import DecoderLM, TransformerConfig
 from tformer.explore.analysis import open_model
 from tformer.explore.server import ExploreServer
-from tformer.tokenizers import SEQ2SEQ_SPECIALS, CharTokenizer
+from tformer.tokenizers import SEQ2SEQ_SPECIALS, ByteTokenizer, CharTokenizer
 from tformer.training.checkpoint import save_checkpoint
 
 CHARS = "abcdefghijklmnopqrstuvwxyzT .,"  # "T": the page's default prompt is "The Transformer"
@@ -25,6 +25,17 @@ def lm_checkpoint(tmp_path_factory, peaky):
     torch.manual_seed(0)
     cfg = TransformerConfig.tiny(vocab_size=tok.vocab_size, position="rotary", num_kv_heads=2, max_seq_len=64)
     save_checkpoint(out, model=peaky(DecoderLM(cfg)), tokenizer=tok, kind="lm", step=0, train_config={})
+    return out
+
+
+@pytest.fixture(scope="session")
+def code_checkpoint(tmp_path_factory, peaky):
+    """A byte-level LM saved as a run on the default corpus (the Python standard library): the page opens on code."""
+    out = tmp_path_factory.mktemp("explore-code")
+    torch.manual_seed(1)
+    cfg = TransformerConfig.tiny(vocab_size=256, position="learned", max_seq_len=96)
+    train = {"data": None, "task": None, "pairs": None, "tokenizer": "byte"}
+    save_checkpoint(out, model=peaky(DecoderLM(cfg)), tokenizer=ByteTokenizer(), kind="lm", step=0, train_config=train)
     return out
 
 
@@ -78,6 +89,16 @@ def lm_server(lm_checkpoint):
 @pytest.fixture(scope="session")
 def seq2seq_server(seq2seq_checkpoint):
     yield from serve(seq2seq_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def code_server(code_checkpoint):
+    yield from serve(code_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def code_client(code_server):
+    return Client(code_server)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 from tests.explore.test_server import raw_request
 from tformer.explore.server import ENDPOINTS
 
-GET_PAGES = ["/", "/app.js", "/style.css", "/api/info"]
+GET_PAGES = ["/", "/app.js", "/maps.js", "/circuits.js", "/style.css", "/api/info"]
 POST_ENDPOINTS = [f"/api/{name}" for name in ENDPOINTS]
 
 

@@ -3,14 +3,16 @@ the cap, paths outside the page's files, the loopback default, and the CLI aroun
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
 
 import pytest
 
 from tformer.cli import main
-from tformer.explore.server import CSP, MAX_BODY, ExploreServer, is_loopback
+from tformer.explore.server import CSP, MAX_BODY, STATIC, ExploreServer, is_loopback
 
 
 def test_fifty_concurrent_requests_are_all_answered_correctly(lm_client):
@@ -90,10 +92,23 @@ def test_the_page_and_its_files_are_served_with_a_strict_policy(lm_client, lm_se
     for path, kind in [("/", b"<!doctype html>"), ("/app.js", b"use strict"), ("/style.css", b"body")]:
         status, body = lm_client.request("GET", path)
         assert status == 200 and kind in body
+    for path in ("/maps.js", "/circuits.js"):
+        assert lm_client.request("GET", path) == (
+            200,
+            resources.files("tformer.explore").joinpath("static", path[1:]).read_bytes(),
+        )
     reply = raw_request(lm_server, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert f"Content-Security-Policy: {CSP}".encode() in reply
     html = lm_client.request("GET", "/")[1].decode()
     assert "http://" not in html and "https://" not in html  # nothing from anywhere else
+
+
+def test_every_static_file_is_served_and_the_page_loads_every_script():
+    files = {p.name for p in resources.files("tformer.explore").joinpath("static").iterdir() if p.name[0] != "."}
+    assert files == set(STATIC.values())  # each file the package ships (package-data explore/static/*) is served
+    html = resources.files("tformer.explore").joinpath("static", "index.html").read_text()
+    scripts = re.findall(r'<script src="(/[\w.]+)"></script>', html)
+    assert sorted(scripts) == sorted(p for p in STATIC if p.endswith(".js")) and scripts[-1] == "/app.js"  # main last
 
 
 def test_default_bind_is_loopback(lm_checkpoint):

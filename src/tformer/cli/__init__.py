@@ -33,6 +33,7 @@ COMMAND_MODULES = [
     "tformer.cli.sample",
     "tformer.cli.translate",
     "tformer.cli.embed",
+    "tformer.cli.eval",
     "tformer.cli.convert",
     "tformer.cli.explore",
     "tformer.cli.kernels",

@@ -28,6 +28,7 @@ EXPERIMENTS: dict[str, str] = {
     "masking": "tformer.experiments.masking",  # Q3(a)
     "layernorm": "tformer.experiments.layernorm",  # Q3(b)
     "attention-maps": "tformer.experiments.attention_maps",  # Q3(c)
+    "circuits": "tformer.experiments.circuits",  # beyond the source: induction heads, logit attribution
 }
 
 

@@ -11,7 +11,9 @@ Shapes: B, H, Hkv, T, S, D, V (the package legend, :mod:`tformer`).
 
 from __future__ import annotations
 
+import codecs
 import math
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,6 +34,10 @@ TOP = 20  # tokens listed in the next-token distribution
 KINDS = {"lm": ("self",), "seq2seq": ("encoder", "decoder", "cross")}
 MASK_MODES = ("before", "after", "none")
 OFFSETS = 64  # the RoPE / position score curves cover offsets 0 .. OFFSETS
+PYTHON_PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"  # for models trained on code
+PYTHON_PROMPTS = (PYTHON_PROMPT, "def f(x):\n    return")  # the second for a model of a short context
+ENGLISH_PROMPT = "The capital of France is"  # for pretrained English models
+PROMPTS = (ENGLISH_PROMPT, "The Transformer", "the quick brown fox")  # the first the tokenizer encodes is the default
 
 
 class ExploreError(ValueError):
@@ -47,6 +53,7 @@ class Explorer:
     name: str
     kind: str  # "lm" or "seq2seq"
     start_id: int | None = None  # a seq2seq decoder's first input
+    prompt: str = "The Transformer"  # the page's first prompt, one that suits the model (:func:`default_prompt`)
     lock: threading.Lock = field(default_factory=threading.Lock)
     recent: OrderedDict = field(default_factory=OrderedDict)  # (prompt, target) -> Forward, the last few
 
@@ -85,7 +92,33 @@ class Explorer:
             "norm_first": cfg.norm_first,
             "max_tokens": self.max_tokens,
             "dtype": str(self.model.decoder.embed.tokens.weight.dtype).removeprefix("torch."),  # what it computes in
+            "prompt": self.prompt,
         }
+
+
+def _encodes(tokenizer: Any, text: str, limit: int) -> bool:
+    """Whether ``tokenizer`` reads ``text`` whole (no error, no character dropped or made unknown) in at most
+    ``limit`` tokens."""
+    try:
+        ids = list(tokenizer.encode(text))
+    except ValueError:
+        return False
+    unknown = getattr(tokenizer, "unknown_chars", None)
+    return 0 < len(ids) <= limit and not (unknown and unknown(text))
+
+
+def default_prompt(tokenizer: Any, train_config: dict[str, Any] | None, limit: int = MAX_TOKENS) -> str:
+    """A first prompt that suits the model: Python for a tformer run trained on the default corpus (the Python
+    standard library: ``train_config`` says ``"data": null`` with no task or pairs); English for the rest
+    (pretrained models: ``train_config`` ``None``); and in every case one the tokenizer reads whole in at most
+    ``limit`` tokens, else the first characters of a character tokenizer's alphabet (a task's)."""
+    config = train_config or {}
+    on_code = "data" in config and not any(config.get(key) for key in ("data", "task", "pairs"))
+    for text in PYTHON_PROMPTS * on_code + PROMPTS:
+        if _encodes(tokenizer, text, limit):
+            return text
+    chars = getattr(tokenizer, "chars", None)
+    return "".join(chars[:12]) if chars else "a"
 
 
 def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None) -> Explorer:
@@ -100,6 +133,7 @@ def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | No
             raise ExploreError(f"{path}: no tokenizer.json beside the weights; the page needs one to read text")
         start = gen.decoder_start if gen.decoder_start is not None else gen.pad
         name = p.stem if p.suffix == ".gguf" else p.name
+        config = None
     else:
         from tformer.training.resume import load_newest
 
@@ -108,19 +142,71 @@ def open_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | No
         if dtype is not None:
             model.to(dtype)
         start, name = ckpt.special_ids()[1], p.resolve().name
+        config = ckpt.train_config
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ExploreError(
             f"{path} holds an encoder ({type(model).__name__}); the page shows language models and encoder-decoders"
         )
     kind = "lm" if isinstance(model, DecoderLM) else "seq2seq"
-    return Explorer(accelerate(model.eval()), tokenizer, name, kind, start)
+    explorer = Explorer(accelerate(model.eval()), tokenizer, name, kind, start)
+    explorer.prompt = default_prompt(tokenizer, config, explorer.max_tokens)
+    return explorer
+
+
+def _hex_bytes(err: UnicodeDecodeError) -> tuple[str, int]:
+    return "".join(f"<0x{b:02X}>" for b in err.object[err.start : err.end]), err.end
+
+
+codecs.register_error("tformer.hex", _hex_bytes)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable symbol that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[chr(b)] = b
+        else:
+            symbols[chr(256 + extra)] = b
+            extra += 1
+    return symbols
+
+
+_GPT2_BYTES = _gpt2_bytes()
+
+
+def token_bytes(tokenizer: Any, i: int) -> bytes | None:
+    """The raw bytes of token ``i`` where the tokenizer is byte-level (one byte per token; GPT-2's byte-level BPE;
+    SentencePiece's ``<0xE2>`` pieces), else ``None``."""
+    if getattr(tokenizer, "kind", "") == "byte":
+        b = i - len(tokenizer.specials)
+        return bytes([b]) if 0 <= b < 256 else None
+    inner = getattr(tokenizer, "hf", None) or getattr(tokenizer, "_hf", None)
+    spelled = inner.id_to_token(i) if inner is not None else None
+    if not spelled:
+        return None
+    if match := _BYTE_PIECE.fullmatch(spelled):
+        return bytes([int(match.group(1), 16)])
+    if all(c in _GPT2_BYTES for c in spelled):
+        return bytes(_GPT2_BYTES[c] for c in spelled)
+    return None
 
 
 def piece(tokenizer: Any, i: int) -> str:
-    """The text of token ``i`` alone (a special token by its name; a byte of a longer character as ``\\ufffd``)."""
+    """The text of token ``i`` alone: a special token by its name; a token holding part of a UTF-8 character (a
+    byte-level tokenizer's) with those bytes as ``<0xE2>`` instead of ``\\ufffd``, so distinct bytes stay distinct."""
     text = tokenizer.decode([i])
+    specials = getattr(tokenizer, "specials", ())
+    if "\ufffd" in text:
+        raw = token_bytes(tokenizer, i)
+        if raw is not None:
+            return raw.decode("utf-8", errors="tformer.hex")
+        if i < len(specials) and text == "\ufffd":
+            return specials[i]  # a character tokenizer's <unk>
     if text == "":
-        specials = getattr(tokenizer, "specials", ())
         if i < len(specials):
             return specials[i]
         token = getattr(tokenizer, "token", None)

@@ -4,7 +4,8 @@ HTTP server. Nothing is fetched from anywhere else; the page's Content-Security-
 API (``POST``, a JSON object in, a JSON object out; a bad request gets a 4xx and ``{"error": "one line"}``):
 
 * ``/api/info`` (``GET``): the model: name, kind (``lm`` or ``seq2seq``), attention kinds, layers, heads, ..., the
-  dtype it computes in
+  dtype it computes in, and ``prompt``: a first prompt that suits it (Python for a model trained on code, English
+  for a pretrained one; :func:`tformer.explore.analysis.default_prompt`)
 * ``/api/analyze`` ``{"prompt", "temperature"=1, "top_k"=null, "top_p"=null, "target"=""}``: ``tokens`` (each
   token's text), ``ids``, ``next`` (the top of the next-token distribution: ``id``, ``token``, ``prob`` after the
   filters and renormalization, ``raw`` before them, ``kept``) and ``layers`` (per attention kind, per layer, each
@@ -18,13 +19,31 @@ API (``POST``, a JSON object in, a JSON object out; a bad request gets a 4xx and
   ``tformer.generate(..., seed=seed)`` draws its first, and the prompt with it appended.
 * ``/api/positions`` ``{"prompt", "layer", "kind"="self"}``: scores against the offset ``n - m`` (RoPE: the
   layer's real projections; sinusoidal: the table).
+* ``/api/lens`` ``{"prompt", "position"=-1, "k"=5}``: the logit lens at ``position`` (negative counts from the end):
+  ``rows`` (``embed``, then ``L0`` .. ``L{n-1}``, the residual stream leaving each block through the final norm and
+  the output head), each ``{"label", "top": [{"id", "token", "prob"}] (k), "final_prob"}`` (``final_prob``: the
+  row's probability of ``final``, the model's own top token); ``position`` (as an index), ``token``, ``tokens``.
+  The last row is the model's own distribution. Language models only.
+* ``/api/ablate`` ``{"prompt", "heads": [[layer, head], ...], "temperature"=1, "top_k"=null, "top_p"=null}``: the
+  next-token distribution with those heads zero-ablated beside the model's own: ``next`` as ``/api/analyze``'s
+  (``prob``, ``raw``, ``kept``: ablated) with ``original`` and ``original_raw`` (not ablated), the 20 tokens most
+  probable in either; ``heads`` (distinct), ``total_variation`` (between the two raw distributions). ``heads``
+  ``[]`` is the model itself. Language models only.
+* ``/api/patch`` ``{"clean", "corrupted", "correct"=null, "wrong"=null}``: activation patching of the residual
+  stream entering each block, metric the logit difference ``correct - wrong`` at the last position: ``patched``
+  ``(L, T)`` (the corrupted run with the clean stream put back at one layer and position), ``restored`` ``(L, T)``
+  (``(patched - corrupted_diff) / (clean_diff - corrupted_diff)``; ``null`` when the two runs give the same
+  difference), ``clean_diff``, ``corrupted_diff``, ``correct`` and ``wrong`` (``{"id", "token"}``), ``layers``,
+  ``clean_tokens``, ``corrupted_tokens``. The prompts must have the same token length; ``correct`` and ``wrong`` are
+  one token each (its text or id), by default the clean run's top token and the corrupted run's; layers x tokens
+  at most :data:`tformer.explore.probes.MAX_PATCH_FORWARDS` (one forward each). Language models only.
 
-Methods: the page's files (``/``, ``/app.js``, ``/style.css``) and ``/api/info`` answer ``GET`` and ``HEAD`` (the
-same status and headers as ``GET``, no body: HTTP requires a server that answers ``GET`` to answer ``HEAD``); the
-other endpoints answer ``POST``. Any other method, on a path that exists, is a ``405`` with an ``Allow`` header
-naming the path's methods (``GET /api/analyze`` too, and ``POST /api/info``); a path that does not exist is a
-``404`` whatever the method. Every error, these and the HTTP server's own (a malformed request line, a URI or
-headers over its limits), is JSON: ``{"error": "one line"}``.
+Methods: the page's files (``/``, ``/app.js``, ``/maps.js``, ``/circuits.js``, ``/style.css``) and ``/api/info``
+answer ``GET`` and ``HEAD`` (the same status and headers as ``GET``, no body: HTTP requires a server that answers
+``GET`` to answer ``HEAD``); the other endpoints answer ``POST``. Any other method, on a path that exists, is a
+``405`` with an ``Allow`` header naming the path's methods (``GET /api/analyze`` too, and ``POST /api/info``); a
+path that does not exist is a ``404`` whatever the method. Every error, these and the HTTP server's own (a malformed
+request line, a URI or headers over its limits), is JSON: ``{"error": "one line"}``.
 
 Limits: a body over :data:`MAX_BODY` bytes is refused from its ``Content-Length`` before it is read; a client that
 stops sending is dropped after :data:`READ_TIMEOUT` seconds; one forward pass runs at a time (a lock), requests in
@@ -42,13 +61,19 @@ from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
 
-from tformer.explore import analysis
+from tformer.explore import analysis, probes
 from tformer.explore.analysis import MASK_MODES, ExploreError, Explorer
 
 MAX_BODY = 64 * 1024
 MAX_PROMPT_CHARS = 20_000
 READ_TIMEOUT = 10.0
-STATIC = {"/": "index.html", "/app.js": "app.js", "/style.css": "style.css"}
+STATIC = {
+    "/": "index.html",
+    "/app.js": "app.js",
+    "/maps.js": "maps.js",
+    "/circuits.js": "circuits.js",
+    "/style.css": "style.css",
+}
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
 CSP = "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'; connect-src 'self'"
 
@@ -71,7 +96,16 @@ FIELDS: dict[str, dict[str, tuple[tuple[type, ...], Any]]] = {
     },
     "sample": {"prompt": ((str,), REQUIRED), "seed": ((int,), 0), **_SAMPLING, "target": ((str,), "")},
     "positions": {"prompt": ((str,), REQUIRED), **_LAYER, "target": ((str,), "")},
+    "lens": {"prompt": ((str,), REQUIRED), "position": ((int,), -1), "k": ((int,), 5)},
+    "ablate": {"prompt": ((str,), REQUIRED), "heads": ((list,), REQUIRED), **_SAMPLING},
+    "patch": {
+        "clean": ((str,), REQUIRED),
+        "corrupted": ((str,), REQUIRED),
+        "correct": ((str, int, type(None)), None),
+        "wrong": ((str, int, type(None)), None),
+    },
 }
+TEXTS = ("prompt", "clean", "corrupted")  # the fields that are text to encode
 
 
 class BadRequest(ValueError):
@@ -111,8 +145,9 @@ def parse(endpoint: str, body: bytes, ex: Explorer) -> dict[str, Any]:
 
 
 def _check_values(req: dict[str, Any], ex: Explorer) -> None:
-    if len(req["prompt"]) > MAX_PROMPT_CHARS:
-        raise BadRequest(f"the prompt is {len(req['prompt'])} characters; at most {MAX_PROMPT_CHARS}")
+    for name in TEXTS:
+        if name in req and len(req[name]) > MAX_PROMPT_CHARS:
+            raise BadRequest(f"the {name} is {len(req[name])} characters; at most {MAX_PROMPT_CHARS}")
     if "temperature" in req and not (math.isfinite(req["temperature"]) and req["temperature"] > 0):
         raise BadRequest(f"temperature must be a finite number > 0; got {req['temperature']}")
     if req.get("top_k") is not None and req["top_k"] < 1:
@@ -187,7 +222,27 @@ def api_positions(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
     return analysis.position_scores(ex, fwd, req["layer"], req["kind"])
 
 
-ENDPOINTS = {"analyze": api_analyze, "attention": api_attention, "sample": api_sample, "positions": api_positions}
+def api_lens(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    return probes.lens(ex, req["prompt"], req["position"], req["k"])
+
+
+def api_ablate(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    return probes.ablated(ex, req["prompt"], req["heads"], req["temperature"], req["top_k"], req["top_p"])
+
+
+def api_patch(ex: Explorer, req: dict[str, Any]) -> dict[str, Any]:
+    return probes.patch(ex, req["clean"], req["corrupted"], req["correct"], req["wrong"])
+
+
+ENDPOINTS = {
+    "analyze": api_analyze,
+    "attention": api_attention,
+    "sample": api_sample,
+    "positions": api_positions,
+    "lens": api_lens,
+    "ablate": api_ablate,
+    "patch": api_patch,
+}
 PAGES = ("/api/info", *STATIC)  # what GET (and HEAD) serves
 
 

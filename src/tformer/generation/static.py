@@ -119,7 +119,8 @@ def forward(
         )
     rope = decoder.rotary(positions) if decoder.rotary is not None else None  # tables reserved by static_cache
     x = decoder.embed(ids, positions)  # (B, T, C)
-    stack = fused.plan(decoder.stack.blocks, x, caches)  # a decode step: the blocks as one kernel call
+    # a decode step: the blocks as one kernel call, unless hooks are attached (the modules run every hook point)
+    stack = fused.plan(decoder.stack.blocks, x, caches) if model.taps is None else None
     if stack is not None:  # the op masks by keys and the slot itself
         h = decoder.stack.final_norm(fused.step(stack, x, [layer.self_kv for layer in caches], keys, rope))
     else:

@@ -1,8 +1,11 @@
-// tformer explore: the page. Talks only to its own server (/api/...); draws with <canvas>; no libraries.
+// tformer explore: the page. Talks only to its own server (/api/...); draws with <canvas>; no libraries. This file
+// holds the state, the requests, the prompt, its tokens and the next-token bars; maps.js the attention maps,
+// circuits.js the logit lens, head ablation and patching. Loaded last: main() runs once all three are defined.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { info: null, analysis: null, maps: {}, selected: null, sampleStep: 0, hover: null, last: {} };
+const state = { info: null, analysis: null, maps: {}, selected: null, sampleStep: 0, hover: null, last: {},
+  ablated: new Set(), analyzed: null, lensChosen: false, cleanEdited: false };
 
 async function api(path, body) {
   const response = await fetch(path, body === undefined ? {} : {
@@ -76,18 +79,26 @@ function renderTokens(tokens, ids) {
     const span = document.createElement("span");
     span.className = "token";
     span.textContent = visible(token);
-    span.title = `#${i} id ${ids[i]}`;
+    span.title = `#${i} id ${ids[i]}` + (/<0x[0-9A-F]{2}>/.test(token)
+      ? ": bytes of a UTF-8 character that the tokenizer splits over several tokens" : "") +
+      (state.info.kind === "lm" ? "; click: the logit lens at this token" : "");
     span.dataset.index = i;
     span.addEventListener("mouseenter", () => { state.hover = i; drawDetail(); });
     span.addEventListener("mouseleave", () => { state.hover = null; drawDetail(); });
+    span.addEventListener("click", () => {  // the logit lens at this token
+      if (state.info.kind !== "lm") return;
+      $("lens-position").value = String(i); state.lensChosen = true; refreshLens();
+    });
     box.appendChild(span);
   });
 }
 
 function renderBars(next) {
+  // each token's bar: the probability after the filters, its outline before them; with heads ablated, a tick at the
+  // model's own probability and the change beside the value
   const box = $("bars");
   box.replaceChildren();
-  const top = Math.max(...next.map((n) => Math.max(n.prob, n.raw)), 1e-9);
+  const top = Math.max(...next.map((n) => Math.max(n.prob, n.raw, n.original ?? 0, n.original_raw ?? 0)), 1e-9);
   for (const n of next) {
     const row = document.createElement("div");
     row.className = "bar" + (n.kept ? "" : " dropped");
@@ -108,141 +119,27 @@ function renderBars(next) {
     const value = document.createElement("div");
     value.className = "bar-value";
     value.textContent = (100 * n.prob).toFixed(1) + "%";
+    if (n.original !== undefined) {
+      const tick = document.createElement("div");
+      tick.className = "bar-original";
+      tick.style.left = `${(100 * n.original) / top}%`;
+      tick.title = `the model's own: ${(100 * n.original).toFixed(1)}%`;
+      track.appendChild(tick);
+      const delta = document.createElement("span");
+      const d = 100 * (n.prob - n.original);
+      delta.className = "bar-delta" + (d > 0.05 ? " up" : d < -0.05 ? " down" : "");
+      delta.textContent = ` ${d >= 0 ? "+" : ""}${d.toFixed(1)}`;
+      value.appendChild(delta);
+    }
     row.append(label, track, value);
     box.appendChild(row);
   }
   box.dataset.ready = String(Date.now());
 }
 
-function heat(value) {
-  // 0 -> white, 1 -> dark blue
-  const v = Math.max(0, Math.min(1, value));
-  return [Math.round(255 - 245 * v), Math.round(255 - 200 * v), Math.round(255 - 90 * v)];
-}
-
-function paint(canvas, weights, size) {
-  const rows = weights.length, cols = weights[0].length;
-  canvas.width = size; canvas.height = size;
-  const ctx = canvas.getContext("2d");
-  const image = ctx.createImageData(cols, rows);
-  let max = 0;
-  for (const row of weights) for (const w of row) max = Math.max(max, w);
-  for (let i = 0; i < rows; i++) {
-    for (let j = 0; j < cols; j++) {
-      const [r, g, b] = heat(weights[i][j] / (max || 1));
-      const k = 4 * (i * cols + j);
-      image.data[k] = r; image.data[k + 1] = g; image.data[k + 2] = b; image.data[k + 3] = 255;
-    }
-  }
-  const tmp = document.createElement("canvas");
-  tmp.width = cols; tmp.height = rows;
-  tmp.getContext("2d").putImageData(image, 0, 0);
-  ctx.imageSmoothingEnabled = false;
-  ctx.drawImage(tmp, 0, 0, size, size);
-}
-
-async function loadMaps() {
-  const kinds = state.info.kinds;
-  const requests = [];
-  for (const kind of kinds) {
-    for (let layer = 0; layer < state.info.layers[kind]; layer++) {
-      const body = { ...common(), layer, kind, scale_factor: scaleFactor(), mask: maskMode() };
-      requests.push(api("/api/attention", body).then((data) => ({ kind, layer, data })));
-    }
-  }
-  const results = await latest("maps", Promise.all(requests));
-  if (!results) return;  // a later request draws the maps
-  const grids = $("grids");
-  grids.replaceChildren();
-  state.maps = {};
-  const gridOf = {};
-  for (const kind of kinds) {
-    const grid = document.createElement("div");
-    grid.className = "grid";
-    grid.style.gridTemplateColumns = `auto repeat(${state.info.heads}, auto)`;
-    const title = document.createElement("div");
-    title.className = "grid-title";
-    title.style.gridColumn = `1 / span ${state.info.heads + 1}`;
-    title.textContent = { self: "self-attention", encoder: "encoder self-attention",
-      decoder: "decoder self-attention (causal)", cross: "cross-attention (decoder -> encoder)" }[kind];
-    grid.appendChild(title);
-    grids.appendChild(grid);
-    gridOf[kind] = grid;
-  }
-  results.sort((a, b) => a.layer - b.layer);
-  const size = Math.max(24, Math.min(64, Math.floor(560 / state.info.heads)));
-  for (const { kind, layer, data } of results) {
-    const grid = gridOf[kind];
-    state.maps[`${kind}/${layer}`] = data;
-    const label = document.createElement("div");
-    label.className = "layer-label";
-    label.textContent = `L${layer}`;
-    grid.appendChild(label);
-    data.weights.forEach((weights, head) => {
-      const canvas = document.createElement("canvas");
-      canvas.className = "map";
-      canvas.title = `${kind} layer ${layer} head ${head}`;
-      canvas.dataset.kind = kind; canvas.dataset.layer = layer; canvas.dataset.head = head;
-      paint(canvas, weights, size);
-      canvas.addEventListener("click", () => { state.selected = { kind, layer, head }; drawDetail(); });
-      grid.appendChild(canvas);
-    });
-  }
-  if (!state.selected || !state.maps[`${state.selected.kind}/${state.selected.layer}`]) {
-    state.selected = { kind: state.info.kinds[0], layer: 0, head: 0 };
-  }
-  grids.dataset.ready = String(Date.now());
-  drawDetail();
-}
-
-function drawDetail() {
-  if (!state.selected) return;
-  const { kind, layer, head } = state.selected;
-  const data = state.maps[`${kind}/${layer}`];
-  if (!data) return;
-  document.querySelectorAll(".grid canvas").forEach((c) => c.classList.toggle("selected",
-    c.dataset.kind === kind && Number(c.dataset.layer) === layer && Number(c.dataset.head) === head));
-  const canvas = $("detail");
-  const weights = data.weights[head];
-  paint(canvas, weights, 520);
-  const ctx = canvas.getContext("2d");
-  const rows = weights.length, cols = weights[0].length;
-  if (state.hover !== null && state.hover < rows && (kind === "self" || kind === "encoder")) {
-    ctx.strokeStyle = "#ff9f0a"; ctx.lineWidth = 2;
-    ctx.strokeRect(0, (state.hover * 520) / rows, 520, 520 / rows);
-  }
-  document.querySelectorAll(".token").forEach((t) => t.classList.remove("hot"));
-  if (state.hover !== null && state.hover < rows && (kind === "self" || kind === "encoder")) {
-    const row = weights[state.hover];
-    const best = row.indexOf(Math.max(...row));
-    const span = document.querySelector(`.token[data-index="${best}"]`);
-    if (span) span.classList.add("hot");
-  }
-  $("detail-title").textContent = `${kind} layer ${layer}, head ${head}: rows = queries (${rows}), ` +
-    `columns = keys (${cols}); scale ${data.scale.toFixed(4)}`;
-  const low = Math.min(...data.row_sum_min), high = Math.max(...data.row_sum_max);
-  const leak = $("leak");
-  const broken = low < 0.999 || high > 1.001;
-  leak.className = "leak" + (broken ? " bad" : "");
-  leak.textContent = broken
-    ? `rows sum to ${low.toFixed(3)} - ${high.toFixed(3)}: masking after the softmax leaks the future's mass`
-    : `every row sums to 1 (${low.toFixed(4)} - ${high.toFixed(4)})`;
-  const body = document.querySelector("#heads tbody");
-  body.replaceChildren();
-  data.entropy.forEach((e, h) => {
-    const tr = document.createElement("tr");
-    for (const cell of [h, e.toFixed(3), data.jacobian_norm[h].toFixed(4),
-      `${data.row_sum_min[h].toFixed(3)} - ${data.row_sum_max[h].toFixed(3)}`]) {
-      const td = document.createElement("td"); td.textContent = cell; tr.appendChild(td);
-    }
-    if (h === head) tr.style.fontWeight = "600";
-    body.appendChild(tr);
-  });
-}
-
 async function loadPositions() {
   const kind = state.info.kinds[0];
-  const body = { ...common(), layer: Math.floor(state.info.layers[kind] / 2), kind };
+  const body = { ...(state.analyzed || common()), layer: Math.floor(state.info.layers[kind] / 2), kind };
   const data = await latest("positions", api("/api/positions", body));
   if (!data) return;
   const note = $("positions-note");
@@ -278,20 +175,56 @@ async function loadPositions() {
   canvas.dataset.ready = String(Date.now());
 }
 
+function nextRequest(asked) {
+  // the next-token bars of `asked` (the prompt, and a seq2seq model's target): the model's own, or with the ablated
+  // heads zeroed beside it
+  const body = { ...common(), ...asked, ...sampling() };
+  if (!state.ablated.size || state.info.kind !== "lm") return api("/api/analyze", body);
+  delete body.target;
+  return api("/api/ablate", { ...body, heads: ablatedHeads() });
+}
+
+function drawBars(data) {
+  state.analysis = data;
+  renderBars(data.next);
+  ablationNote(data.heads && data.heads.length ? data : null);
+}
+
+function isStale() {
+  const a = state.analyzed;
+  return a !== null && (a.prompt !== $("prompt").value || (a.target || "") !== (common().target || ""));
+}
+
+function markStale() {
+  // the shown analysis greyed, with a note, while the prompt differs from the one it is of
+  const stale = isStale();
+  for (const id of ["next-panel", "attention-panel", "lens-panel", "positions-panel"]) {
+    $(id).classList.toggle("stale", stale);
+  }
+  $("stale").hidden = !stale;
+}
+
 async function analyze() {
   const current = ticket("analyze");
   setError("");
   setStatus("computing ...");
+  const asked = common();
   try {
-    const request = api("/api/analyze", { ...common(), ...sampling() });
-    const [data, bars] = await Promise.all([request, latest("bars", request)]);
+    const request = api("/api/analyze", { ...asked, ...sampling() });
+    const bars = latest("bars", state.ablated.size && state.info.kind === "lm" ? nextRequest(asked) : request);
+    const [data, next] = await Promise.all([request, bars]);
     if (!current()) return;  // a later analysis draws everything
-    if (bars) {  // else a later change of the sampling settings draws the bars
-      state.analysis = bars;
-      renderBars(bars.next);
-    }
+    if (next) drawBars(next);  // else a later change of the sampling settings or heads draws the bars
     renderTokens(data.tokens, data.ids);
+    if (!state.analyzed || state.analyzed.prompt !== asked.prompt) state.lensChosen = false;  // a new prompt: its last
+    state.analyzed = asked;
+    if (state.info.kind === "lm") {
+      lensPositions(data.tokens);
+      if (!state.cleanEdited) $("patch-clean").value = asked.prompt;  // follows the prompt until edited
+    }
+    markStale();
     await loadMaps();
+    await loadLens();
     await loadPositions();
     if (current()) setStatus(`${data.ids.length} tokens`);
   } catch (err) {
@@ -304,10 +237,9 @@ async function analyze() {
 async function refreshBars() {
   if (!state.analysis) return;
   try {
-    const data = await latest("bars", api("/api/analyze", { ...common(), ...sampling() }));
+    const data = await latest("bars", nextRequest(state.analyzed || {}));
     if (!data) return;
-    state.analysis = data;
-    renderBars(data.next);
+    drawBars(data);
     setError("");
   } catch (err) { setError(err.message); }
 }
@@ -341,6 +273,7 @@ function exportPng() {
 
 function exportJson() {
   const data = { model: state.info, selected: state.selected, prompt: $("prompt").value, sampling: sampling(),
+    ablated: ablatedHeads(), lens: state.last["/api/lens"] || null, patch: state.last["/api/patch"] || null,
     scale_factor: scaleFactor(), mask: maskMode(), analysis: state.analysis,
     attention: state.selected ? state.maps[`${state.selected.kind}/${state.selected.layer}`] : null };
   const blob = new Blob([JSON.stringify(data, null, 1)], { type: "application/json" });
@@ -354,6 +287,12 @@ async function main() {
     `${Object.values(i.layers)[0]} layers, ${i.heads} heads (${i.kv_heads} kv), d_model ${i.d_model}, ` +
     `${i.position} positions, ${i.norm_first ? "Pre-LN" : "Post-LN"}, ${i.dtype}`;
   $("target-row").hidden = i.kind !== "seq2seq";
+  $("prompt").value = i.prompt;
+  const lm = i.kind === "lm";
+  $("lens-panel").hidden = !lm;
+  $("patch-panel").hidden = !lm;
+  document.querySelector("input[name=click][value=ablate]").disabled = !lm;
+  ablationNote(null);
   $("analyze").addEventListener("click", analyze);
   $("sample").addEventListener("click", sampleOne);
   $("temperature").addEventListener("input", () => {
@@ -367,7 +306,18 @@ async function main() {
   document.querySelectorAll("input[name=mask]").forEach((r) => r.addEventListener("change", refreshMaps));
   $("export-png").addEventListener("click", exportPng);
   $("export-json").addEventListener("click", exportJson);
-  $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlKey) analyze(); });
+  for (const id of ["prompt", "target"]) {
+    $(id).addEventListener("keydown", (e) => {
+      // Enter analyzes; Shift+Enter is a new line
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); analyze(); }
+    });
+    $(id).addEventListener("input", markStale);
+  }
+  $("restore-heads").addEventListener("click", restoreAll);
+  $("lens-position").addEventListener("change", () => { state.lensChosen = true; refreshLens(); });
+  $("lens-k").addEventListener("change", refreshLens);
+  $("patch-run").addEventListener("click", runPatch);
+  $("patch-clean").addEventListener("input", () => { state.cleanEdited = true; });
   await analyze();
 }
 
