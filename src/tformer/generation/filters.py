@@ -1,4 +1,4 @@
-"""The sampling rule of one decoding step: pure filters on logits ``z (B, V)`` and the draw.
+"""The sampling rule of one decoding step: pure filters on logits ``z (B, V)`` and the draw, in this order:
 
     greedy        y = argmax_i z_i                                   (first index on ties)
     temperature   z <- z / T                  T < 1 sharpens, T > 1 flattens, T -> 0 is greedy

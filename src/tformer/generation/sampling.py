@@ -1,13 +1,8 @@
-"""Sampling from a decoder-only LM: pure logit filters, and ``generate`` with a key/value cache.
+"""Sampling from a decoder-only LM: ``generate`` with a key/value cache.
 
-One step turns the next-token logits ``z (B, V)`` into a token per row, in this order (as Hugging Face):
-
-    greedy        y = argmax_i z_i                                   (first index on ties)
-    temperature   z <- z / T                  T < 1 sharpens, T > 1 flattens, T -> 0 is greedy
-    top-k         keep the k largest z_i, the rest -> -inf          (Fan et al. 2018)
-    top-p         keep the smallest set of most probable tokens whose probability sums to >= p,
-                  the rest -> -inf; the most probable token is always kept  (nucleus, Holtzman et al. 2020)
-    sample        y ~ softmax(z)
+One step turns the next-token logits ``z (B, V)`` into a token per row by the rule of
+:mod:`tformer.generation.filters` (greedy, or temperature, top-k, top-p, then a draw; in that order, as Hugging
+Face), whose names this module re-exports.
 
 ``generate`` prefills the prompt once, then feeds one token per row per step; every block keeps its keys and
 values (:class:`tformer.layers.KVCache`). Prompts of different lengths are LEFT-padded and masked, so every row's
