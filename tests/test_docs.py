@@ -26,7 +26,7 @@ PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.relative_to(ROOT / 
 DOCUMENTS = [README, *PAGES]
 
 README_LINES = 250
-BENCHMARKS_LINES = 240  # a short table per area, the commands and CPUs with them
+BENCHMARKS_LINES = 200
 PARAGRAPH_WORDS = 120
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 SHIPPED = re.compile(r"""load_pretrained\(\s*["'](smollm2|minilm)["']""")

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from tformer import attention
 from tformer.config import TransformerConfig
-from tformer.functional import attention_scores
+from tformer.functional import attention_scores, masked_softmax
 from tformer.positions import RotaryEmbedding
 
 
@@ -216,8 +216,7 @@ class MultiHeadAttention(Tapped, nn.Module):
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
         scores = tap(self, "hook_attn_scores", attention_scores(q, k, attn_mask, is_causal))
-        # masked_softmax's result in two passes: a row with every key masked (padding) is NaN, then 0
-        pattern = tap(self, "hook_pattern", torch.softmax(scores, dim=-1).nan_to_num_(0.0))
+        pattern = tap(self, "hook_pattern", masked_softmax(scores))
         if dropout_p > 0.0:
             pattern = F.dropout(pattern, p=dropout_p)
         return pattern @ v  # (B, H, T, S) @ (B, H, S, D)

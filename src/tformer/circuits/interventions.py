@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer.hooks import Hook, HookFn, model_of, points, run_with_cache, run_with_hooks
+from tformer.hooks import Hook, HookFn, model_of, num_blocks, points, run_with_cache, run_with_hooks
 
 Metric = Callable[[Tensor], Tensor]
 
@@ -19,7 +19,7 @@ Metric = Callable[[Tensor], Tensor]
 def _depth_heads(model: nn.Module) -> tuple[int, int, int]:
     """Blocks, query heads and key/value heads of ``model``'s (first) stack."""
     table = points(model)
-    depth = len({p.layer for p in table.values() if p.layer is not None and p.name.startswith("blocks.")})
+    depth = num_blocks(model) if "blocks.0.hook_resid_pre" in table else 0
     if depth == 0:
         raise TypeError("these tools read a single stack of blocks (a language model or an encoder)")
     attn = table["blocks.0.attn.hook_z"].module

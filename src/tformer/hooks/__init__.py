@@ -20,7 +20,17 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from tformer.hooks.points import HEAD_POINTS, NameFilter, Point, act_name, hook_names, model_of, points, select
+from tformer.hooks.points import (
+    HEAD_POINTS,
+    NameFilter,
+    Point,
+    act_name,
+    hook_names,
+    model_of,
+    num_blocks,
+    points,
+    select,
+)
 from tformer.hooks.run import (
     ActivationCache,
     Handle,
@@ -50,6 +60,7 @@ __all__ = [
     "hook_names",
     "hooks",
     "model_of",
+    "num_blocks",
     "points",
     "remove_all",
     "run_with_cache",

@@ -160,6 +160,11 @@ def points(model: nn.Module) -> dict[str, Point]:
     return table
 
 
+def num_blocks(model: nn.Module) -> int:
+    """How many blocks ``model``'s points belong to (an encoder-decoder: its deeper stack)."""
+    return len({p.layer for p in points(model).values() if p.layer is not None})
+
+
 def hook_names(model: nn.Module) -> list[str]:
     """The names of ``model``'s hook points, in the order a forward fires them."""
     return list(points(model))

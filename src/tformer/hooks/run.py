@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from tformer.hooks.points import HEAD_POINTS, NameFilter, Point, model_of, points, select
+from tformer.hooks.points import HEAD_POINTS, NameFilter, Point, model_of, num_blocks, points, select
 from tformer.layers import Tapped
 
 HookFn = Callable[[Tensor, "Hook"], "Tensor | None"]
@@ -145,7 +145,7 @@ def hooks(model: nn.Module, fwd_hooks: Sequence[tuple[NameFilter, HookFn]] = ())
 
 
 def remove_all(model: nn.Module) -> None:
-    """Take every hook off ``model`` (what an interrupted session may leave)."""
+    """Take every hook off ``model`` (what an interrupted notebook cell may leave)."""
     for point in points(model).values():
         point.module.taps = None
     root = _root(model)
@@ -195,8 +195,7 @@ class _Stop(Exception):
 def _stop_hook(model: nn.Module, layer: int) -> tuple[str, HookFn]:
     """The hook that ends a forward at the residual stream entering block ``layer`` (``layer == depth``: leaving
     the last block), as TransformerLens's ``stop_at_layer``."""
-    table = points(model)
-    depth = len({p.layer for p in table.values() if p.layer is not None})
+    table, depth = points(model), num_blocks(model)
     if "blocks.0.hook_resid_pre" not in table:
         raise ValueError("stop_at_layer works on a single stack of blocks (a language model or an encoder)")
     if not isinstance(layer, int) or not 0 <= layer <= depth:
@@ -261,5 +260,4 @@ def run_with_cache(
     keepers = [([p.name for p in picked], keep)] if picked else []
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         out = run_with_hooks(model, *args, fwd_hooks=[*fwd_hooks, *keepers], stop_at_layer=stop_at_layer, **kwargs)
-    order = {name: i for i, name in enumerate(points(model))}
-    return out, ActivationCache(sorted(cache.items(), key=lambda item: order[item[0]]))  # firing order
+    return out, cache  # in firing order, the order of hook_names
