@@ -81,6 +81,14 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
+    def select(self, index: Tensor) -> KVCache:
+        """A new cache holding copies of rows ``index``; this one is unchanged (several continuations of one prefix)."""
+        out = KVCache()
+        if self.k is not None:
+            out.k, out.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        out.length = self.length
+        return out
+
 
 @dataclass
 class LayerCache:
@@ -95,6 +103,13 @@ class LayerCache:
         self.self_kv.reorder(index)
         if self.cross_kv is not None:
             self.cross_kv = (self.cross_kv[0].index_select(0, index), self.cross_kv[1].index_select(0, index))
+
+    def select(self, index: Tensor) -> LayerCache:
+        """A new cache holding copies of rows ``index``; this one is unchanged."""
+        out = LayerCache(self.self_kv.select(index))
+        if self.cross_kv is not None:
+            out.cross_kv = (self.cross_kv[0].index_select(0, index), self.cross_kv[1].index_select(0, index))
+        return out
 
 
 # --------------------------------------------------------------------------------------------------

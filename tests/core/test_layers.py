@@ -196,3 +196,20 @@ def test_layers_refuse_sizes_and_inputs_that_do_not_fit():
     for shape in [(5, 32), (1, 5, 16)]:
         with pytest.raises(ValueError, match=rf"x must be \(batch, time, d_model=32\); got {re.escape(str(shape))}"):
             mha(torch.randn(shape))
+
+
+def test_cache_select_copies_rows_and_leaves_the_prefix_cache_unchanged():
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=64)
+    model = DecoderLM(cfg).double().eval()
+    prefix, cache = torch.randint(50, (3, 5)), model.new_cache()
+    model(prefix, cache=cache)
+    before = [(layer.self_kv.k.clone(), layer.self_kv.v.clone()) for layer in cache]
+    index = torch.tensor([2, 0, 2])
+    rows = [layer.select(index) for layer in cache]
+    nxt = torch.randint(50, (3, 2))
+    got = model(nxt, cache=rows)  # each selected row continues its own prefix
+    want = model(torch.cat([prefix[index], nxt], dim=1))[:, -2:]
+    torch.testing.assert_close(got, want, **TOL)
+    for layer, (k, v) in zip(cache, before, strict=True):
+        assert layer.self_kv.length == 5 and torch.equal(layer.self_kv.k, k) and torch.equal(layer.self_kv.v, v)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tests.evaluation.conftest import QUESTIONS
 from tformer.evaluation import protocols
 from tformer.evaluation.model import from_pretrained
-from tformer.evaluation.scoring import score_requests, token_logprobs_reference
+from tformer.evaluation.scoring import _buckets, score_requests, token_logprobs_reference
 
 TOL = 1e-4  # float32: summed log-likelihoods of a few tokens (the errors seen are ~1e-6)
 
@@ -62,3 +62,32 @@ def test_an_empty_continuation_is_refused_with_its_index(tiny):
     lm = from_pretrained(tiny)
     with pytest.raises(ValueError, match="request 1 has an empty continuation"):
         score_requests(lm.model, [([3], [4]), ([3], [])])
+
+
+def test_buckets_cover_each_request_once_and_are_at_least_fill_full():
+    lengths = [1, 30, 7, 8, 29, 2, 16, 15, 3, 22, 1, 9]
+    runs = _buckets(lengths, fill=0.75)
+    assert sorted(i for run in runs for i in run) == list(range(len(lengths)))
+    flat = [lengths[i] for run in runs for i in run]
+    assert flat == sorted(lengths, reverse=True)  # longest first
+    for run in runs:
+        assert all(lengths[i] >= 0.75 * lengths[run[0]] for i in run)
+    assert len(_buckets(lengths, fill=0.0)) == 1 and len(_buckets(lengths, fill=1.0)) == len(set(lengths))
+
+
+def test_continuations_of_very_different_lengths_in_one_batch_score_exactly(tiny):
+    lm = from_pretrained(tiny)
+    text = "the cat sat on a mat and then the dog ran in the park when it rained on us"
+    words = text.split(" ")
+    reqs = [
+        (lm.encode(" ".join(words[: 2 + q])), lm.encode(" " + " ".join(words[q : q + n])))
+        for q in range(4)
+        for n in (1, 2, 5, 11)
+    ]
+    scored = score_requests(lm.model, reqs, batch_size=4, pad_id=lm.pad_id)
+    for (ctx, cont), s in zip(reqs, scored, strict=True):
+        ref = token_logprobs_reference(lm.model, ctx, cont)
+        assert s.logprob == pytest.approx(ref.sum().item(), abs=TOL)
+        with torch.no_grad():
+            logits = lm.model(torch.tensor([ctx + cont[:-1]]))[0, len(ctx) - 1 :]
+        assert s.greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())

@@ -6,11 +6,11 @@ and M the scored positions).
 A request is ``(context ids, continuation ids)``; its log-likelihood is ``sum_k log p(cont_k | ctx, cont_<k)`` and it
 is greedy when every ``cont_k`` is the argmax. The choices of one question share their context, so each distinct
 context runs once: the contexts of a batch run left-padded (``hidden`` with a padding mask, positions counted from
-the mask), the key/value cache is repeated for each continuation of a context, and the continuations (all but their
-last token) run against it, right-padded. Only the positions that predict a continuation token go through the
-output head, in float32 for the log-softmax. The result equals scoring ``ctx + cont`` in one pass (what
-lm-evaluation-harness's Hugging Face model does) up to float rounding; tests/evaluation hold it against
-``transformers``.
+the mask), and the continuations (all but their last token) run against their context's key/value cache, right-padded
+in runs of similar length, each run with its own copy of the cache rows it needs. Only the positions that predict a
+continuation token go through the output head, in float32 for the log-softmax. The result equals scoring
+``ctx + cont`` in one pass (what lm-evaluation-harness's Hugging Face model does) up to float rounding;
+tests/evaluation hold it against ``transformers``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from torch import Tensor
 
 from tformer.models import pad_left, pad_right
 
+BUCKET_FILL = 0.75  # a continuation run padded to its longest is at least 3/4 real tokens
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -34,13 +36,25 @@ class Scored:
 
 
 def _groups(requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[tuple[int, ...], list[int]]]:
-    """``(context, [request indices])`` for each distinct context, longest context + continuation first (so that a
-    batch pads little and an out-of-memory error comes at once)."""
+    """``(context, [request indices])`` for each distinct context, longest context first (so that the contexts of a
+    batch pad little and an out-of-memory error comes at once)."""
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(requests):
         by_context.setdefault(tuple(ctx), []).append(i)
     longest = {ctx: max(len(requests[i][1]) for i in idx) for ctx, idx in by_context.items()}
-    return sorted(by_context.items(), key=lambda item: -(len(item[0]) + longest[item[0]]))
+    return sorted(by_context.items(), key=lambda item: (-len(item[0]), -longest[item[0]]))
+
+
+def _buckets(lengths: Sequence[int], fill: float = BUCKET_FILL) -> list[list[int]]:
+    """Indices of ``lengths`` (all > 0) in runs of similar length, longest first: a run takes each next length that
+    is at least ``fill`` times its first, so a run padded to its longest is at least that full."""
+    runs: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if runs and lengths[i] >= fill * lengths[runs[-1][0]]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 @torch.inference_mode()
@@ -73,37 +87,36 @@ def score_requests(
 
 def _score_batch(model, requests, batch, pad_id: int) -> dict[int, Scored]:
     device = next(model.parameters()).device
-    contexts = [list(ctx) for ctx, _ in batch]
-    ids, mask = pad_left(contexts, pad_id, device)  # (B, P), (B, P) or None
+    ids, mask = pad_left([list(ctx) for ctx, _ in batch], pad_id, device)  # (B, P), (B, P) or None
+    if mask is None:
+        mask = torch.ones(ids.shape, dtype=torch.bool, device=device)
     cache = model.new_cache()
     h_ctx = model.hidden(ids, mask, cache)[:, -1]  # (B, C): the last context token predicts each first token
     rows = [i for _, idx in batch for i in idx]  # request of each continuation row
-    owner = torch.tensor([b for b, (_, idx) in enumerate(batch) for _ in idx], device=device)
+    owner = [b for b, (_, idx) in enumerate(batch) for _ in idx]
     conts = [list(requests[i][1]) for i in rows]
-    pieces = [h_ctx.index_select(0, owner).unsqueeze(1)]  # (B, 1, C): one row per continuation
-    if max(len(c) for c in conts) > 1:  # the continuations' own tokens (all but the last) against the cache
-        for layer in cache:
-            layer.reorder(owner)
-        inp, inp_mask = pad_right([c[:-1] or [pad_id] for c in conts], pad_id)  # (B, T)
-        inp_mask &= torch.tensor([len(c) > 1 for c in conts])[:, None]
-        ctx_mask = (
-            mask.index_select(0, owner)
-            if mask is not None
-            else torch.ones(len(rows), ids.shape[1], dtype=torch.bool, device=device)
-        )
-        full = torch.cat([ctx_mask, inp_mask.to(device)], dim=1)  # (B, P + T)
-        pieces.append(model.hidden(inp.to(device), full, cache))  # (B, T, C)
-    h = torch.cat(pieces, dim=1)  # (B, 1 + T, C): position k predicts cont[k]
-    lengths = torch.tensor([len(c) for c in conts], device=device)
-    take = torch.arange(h.shape[1], device=device)[None, :] < lengths[:, None]  # (B, 1 + T)
-    logits = model.logits(h[take].unsqueeze(0))[0].float()  # (M, V): only the scored positions
-    targets = torch.tensor([t for c in conts for t in c], device=device)  # (M,)
-    logp = F.log_softmax(logits, dim=-1)
-    token_lp = logp.gather(1, targets[:, None])[:, 0]  # (M,)
-    hit = (logits.argmax(-1) == targets).float()  # (M,)
-    segment = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    totals = torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(0, segment, token_lp.double())
-    misses = torch.zeros(len(rows), device=device).index_add_(0, segment, 1 - hit)
+    h = [h_ctx.index_select(0, torch.tensor(owner, device=device))]  # (rows, C): each row's first token
+    targets = [c[0] for c in conts]
+    segment = list(range(len(rows)))
+    longer = [r for r, c in enumerate(conts) if len(c) > 1]
+    for run in _buckets([len(conts[r]) - 1 for r in longer]):  # the rest of the tokens against the context's cache
+        bucket = [longer[k] for k in run]
+        index = torch.tensor([owner[r] for r in bucket], device=device)
+        inp, inp_mask = pad_right([conts[r][:-1] for r in bucket], pad_id)  # (b, T)
+        inp_mask = inp_mask.to(device)
+        full = torch.cat([mask.index_select(0, index), inp_mask], dim=1)  # (b, P + T)
+        out = model.hidden(inp.to(device), full, [layer.select(index) for layer in cache])  # (b, T, C)
+        h.append(out[inp_mask])  # position k predicts cont[k + 1]
+        for r in bucket:
+            targets += conts[r][1:]
+            segment += [r] * (len(conts[r]) - 1)
+    logits = model.logits(torch.cat(h).unsqueeze(0))[0].float()  # (M, V): only the scored positions
+    target = torch.tensor(targets, device=device)  # (M,)
+    token_lp = logits.gather(1, target[:, None])[:, 0] - logits.logsumexp(-1)  # (M,)
+    hit = (logits.argmax(-1) == target).float()  # (M,)
+    seg = torch.tensor(segment, device=device)
+    totals = torch.zeros(len(rows), dtype=torch.float64, device=device).index_add_(0, seg, token_lp.double())
+    misses = torch.zeros(len(rows), device=device).index_add_(0, seg, 1 - hit)
     return {
         i: Scored(float(lp), bool(miss == 0))
         for i, lp, miss in zip(rows, totals.tolist(), misses.tolist(), strict=True)
