@@ -9,24 +9,30 @@
   printed: wall and CPU seconds of each (with ``OMP_NUM_THREADS=1`` the CPU time is the work done, however busy the
   machine), their ratios, the largest log-likelihood difference and whether acc and acc_norm agree on every
   question.
-* **--full**: ``tformer.evaluate`` on the full sets (``--tasks``, ``--protocols``), the table with standard errors
-  and the run time of each; ``--transformers`` adds ``transformers``' scores on the same requests (same file, same
-  protocol), scored through HFLM.
+* **--full**: ``tformer.evaluate`` on the full sets (``--tasks``, ``--protocols``), its results and per-example
+  records kept in ``--out`` (``--reuse`` reads back those a ``tformer eval --json --records`` run left there);
+  ``--transformers`` adds ``transformers``' scores on the same requests (same file, same protocol), scored through
+  HFLM, with the largest per-choice log-likelihood difference from tformer's records and the number of questions
+  whose most likely choice differs. A table of every figure with its standard error and run time closes.
 
-Run:  python benchmarks/eval.py [--task arc_easy --limit 100]   |   python benchmarks/eval.py --full [--transformers]
+Run:  python benchmarks/eval.py [--task arc_easy --limit 100]
+      python benchmarks/eval.py --full [--transformers] [--reuse] [--out runs/eval]
 (the model and data come from ``make``; ``transformers`` and ``lm-eval`` from the bench extra)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 from _common import GGUF, cpu_model, package_dir
 
 import tformer
 from tformer.evaluation import protocols, tasks
+from tformer.evaluation.metrics import mean_figure
 from tformer.evaluation.model import load
 from tformer.evaluation.scoring import score_requests
 from tformer.generation.chat import chat_prompt
@@ -125,25 +131,58 @@ def side_by_side(args) -> None:
 
 
 def full(args) -> None:
+    """The full sets: tformer's figures (run now, or read back with ``--reuse`` from ``--out``, where
+    ``tformer eval --json/--records`` left them), and with ``--transformers`` the same requests scored by HFLM."""
     print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm = load("smollm2")
     hf = hf_scorer(args.batch_size) if args.transformers else None
+    rows = []
     for protocol in args.protocols.split(","):
         for task in args.tasks.split(","):
-            start = time.perf_counter()
-            res = tformer.evaluate("smollm2", task, protocol=protocol, limit=args.limit, batch_size=args.batch_size)
-            seconds = time.perf_counter() - start
-            print(f"\n{protocol} {task}: {seconds:.0f} s")
-            print(tformer.evaluation.table(res))
+            stem = out / f"{protocol}-{task}"
+            if not (args.reuse and stem.with_suffix(".json").exists()):
+                tformer.evaluate(
+                    "smollm2",
+                    task,
+                    protocol=protocol,
+                    limit=args.limit,
+                    batch_size=args.batch_size,
+                    json_out=stem.with_suffix(".json"),
+                    records=stem.with_suffix(".jsonl"),
+                )
+            ours = json.loads(stem.with_suffix(".json").read_text())["tasks"][task]
+            row = {"protocol": protocol, "task": task, "n": ours["examples"], "seconds": ours["seconds"]}
+            row.update({name: (f["value"], f["stderr"]) for name, f in ours["figures"].items()})
             if hf is not None:
-                lm = load("smollm2")
                 examples, reqs = token_requests(lm, task, protocol, args.limit)
                 start = time.perf_counter()
                 lls = [r[0] for r in hf._loglikelihood_tokens(reqs, disable_tqdm=True)]
-                figs = scores(examples, lls, protocol)
-                for name, values in figs.items():
-                    f = tformer.evaluation.metrics.mean_figure(values)
-                    print(f"transformers {name}: {f.value:.4f} ± {f.stderr:.4f}")
-                print(f"transformers: {time.perf_counter() - start:.0f} s")
+                row["hf_seconds"] = time.perf_counter() - start
+                row["hf"] = {k: mean_figure(v).value for k, v in scores(examples, lls, protocol).items()}
+                recorded = [json.loads(line) for line in stem.with_suffix(".jsonl").read_text().splitlines()]
+                theirs = iter(lls)
+                diffs, differ = [], 0
+                for rec in recorded:
+                    row_lls = [next(theirs) for _ in rec["loglikelihoods"]]
+                    diffs += [abs(a - b) for a, b in zip(rec["loglikelihoods"], row_lls, strict=True)]
+                    differ += protocols.argmax(row_lls) != rec["pred"]
+                row["max_diff"], row["pred_differ"] = max(diffs), differ
+            rows.append(row)
+            print(json.dumps(row))
+    print(f"\n{'protocol':<10}{'task':<15}{'n':>7}{'figure':>18}{'tformer':>16}{'s':>7}", end="")
+    print(f"{'transformers':>14}{'s':>7}{'max |dLL|':>11}{'argmax differs':>16}" if hf is not None else "")
+    for row in rows:
+        for name in [k for k in row if k.startswith("acc")]:
+            value, se = row[name]
+            line = f"{row['protocol']:<10}{row['task']:<15}{row['n']:>7}{name:>18}{100 * value:>10.2f} ± {100 * se:.2f}"
+            line += f"{row['seconds']:>7.0f}"
+            if hf is not None:
+                hf_name = "acc_norm" if name.startswith("acc_norm") else name
+                line += f"{100 * row['hf'][hf_name]:>14.2f}{row['hf_seconds']:>7.0f}"
+                line += f"{row['max_diff']:>11.1e}{row['pred_differ']:>16}"
+            print(line)
 
 
 def main() -> None:
@@ -156,6 +195,8 @@ def main() -> None:
     p.add_argument("--tasks", default="arc_easy,arc_challenge,piqa", help="--full: the tasks")
     p.add_argument("--protocols", default="lighteval,lm-eval", help="--full: the protocols")
     p.add_argument("--transformers", action="store_true", help="--full: also transformers' scores on the same requests")
+    p.add_argument("--out", default="runs/eval", help="--full: where tformer's results and records go (runs/eval)")
+    p.add_argument("--reuse", action="store_true", help="--full: read tformer's results from --out where present")
     args = p.parse_args()
     if args.full:
         full(args)

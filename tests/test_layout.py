@@ -37,8 +37,8 @@ LAYERS = {
     "training": 7,
     "experiments": 7,
     "claims": 7,
+    "evaluation": 7,  # benchmark scores of the loaded models (interop), lm-eval's model class: the report shows them
     "explore": 8,
-    "evaluation": 8,  # benchmark scores of the loaded models (interop), lm-eval's model class: below the CLI
     "cli": 9,
     "__main__": 9,
 }

@@ -94,11 +94,11 @@ def arc_challenge(protocol: str) -> list[Example]:
 
 
 def openbookqa(protocol: str) -> list[Example]:
-    out = []
-    for r in data.read_arrow("openbookqa/main/validation"):
-        gold = r["choices"]["label"].index(r["answerKey"].strip())
-        out.append(_mc(r["question_stem"], r["choices"]["text"], gold, protocol, r["id"]))
-    return out
+    """The test set (lm-eval's ``test_split``, the SmolLM2 card's ``evaluation_splits``), from OLMES's request file:
+    its ``query`` is ``Question: {question_stem}\nAnswer:``, and both protocols read the bare stem."""
+    docs = data.read_requests("openbookqa/test_rc_5shot")
+    stems = [d["query"].removeprefix("Question: ").removesuffix("\nAnswer:") for d in docs]
+    return [_mc(q, d["choices"], int(d["gold"]), protocol, str(d["id"])) for q, d in zip(stems, docs, strict=True)]
 
 
 def commonsense_qa(protocol: str) -> list[Example]:
@@ -137,13 +137,18 @@ def winogrande(protocol: str) -> list[Example]:
 
 
 def mmlu(protocol: str) -> list[Example]:
-    """MMLU's test set in the cloze form of the SmolLM2 card (the answer text scored, no lettered options), subjects
-    in alphabetical order (the ``all`` configuration's order); both protocols read the same prompt."""
+    """MMLU's test set in cloze form (the answer text scored, no lettered options), subjects in alphabetical order
+    (the ``all`` configuration's order). lm-eval: its ``mmlu_continuation`` prompt (the subject's description, a
+    blank line, ``Question: ...\nAnswer:``); lighteval: the SmolLM2 card's."""
     out = []
     for subject in data.arrow_splits("hails/mmlu_no_train"):
         topic = subject.replace("_", " ")
         for i, r in enumerate(data.read_arrow(f"hails/mmlu_no_train/{subject}/test")):
-            query = f"The following are questions about {topic}.\nQuestion: {r['question']}\nAnswer:"
+            if protocol == "lm-eval":
+                query = f"The following are questions (with answers) about {topic}.\n\n"
+                query += f"Question: {r['question'].strip()}\nAnswer:"
+            else:
+                query = f"The following are questions about {topic}.\nQuestion: {r['question']}\nAnswer:"
             out.append(_mc(query, r["choices"], int(r["answer"]), protocol, f"{subject}/{i}", subject=subject))
     return out
 
@@ -166,7 +171,7 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("hellaswag", "choice", "HellaSwag validation (10,042)", hellaswag),
         TaskSpec("piqa", "choice", "PIQA validation (1,838)", piqa),
         TaskSpec("winogrande", "choice", "WinoGrande XL validation (1,267)", winogrande),
-        TaskSpec("openbookqa", "choice", "OpenBookQA validation (500)", openbookqa),
+        TaskSpec("openbookqa", "choice", "OpenBookQA test (500)", openbookqa),
         TaskSpec("commonsense_qa", "choice", "CommonsenseQA validation (1,221)", commonsense_qa),
         TaskSpec("arc_easy", "choice", "ARC-Easy test (2,376)", arc_easy),
         TaskSpec("arc_challenge", "choice", "ARC-Challenge test (1,172)", arc_challenge),

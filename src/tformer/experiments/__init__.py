@@ -29,6 +29,7 @@ EXPERIMENTS: dict[str, str] = {
     "layernorm": "tformer.experiments.layernorm",  # Q3(b)
     "attention-maps": "tformer.experiments.attention_maps",  # Q3(c)
     "circuits": "tformer.experiments.circuits",  # beyond the source: induction heads, logit attribution
+    "evaluation": "tformer.experiments.evaluation",  # beyond the source: benchmark scores against model cards
 }
 
 
