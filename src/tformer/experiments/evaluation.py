@@ -36,7 +36,7 @@ SIZES: dict[str, dict] = {
     "report": dict(
         protocols=("lighteval", "lm-eval"),
         tasks=("arc_easy", "arc_challenge", "piqa", "hellaswag", "mmlu"),
-        limit=300,
+        limit=200,
         sts=STS_TEST,
     ),
 }
@@ -159,7 +159,7 @@ def _row(results: dict, published: Published, seconds: float) -> Row:
 def run(
     protocols: tuple[str, ...] = ("lighteval", "lm-eval"),
     tasks: tuple[str, ...] = ("arc_easy", "arc_challenge", "piqa", "hellaswag", "mmlu"),
-    limit: int | None = 300,
+    limit: int | None = 200,
     sts: str | Path | None = STS_TEST,
     batch_size: int = 16,
 ) -> EvaluationResult:
