@@ -14,9 +14,13 @@
   ``--transformers`` adds ``transformers``' scores on the same requests (same file, same protocol), scored through
   HFLM, with the largest per-choice log-likelihood difference from tformer's records and the number of questions
   whose most likely choice differs. A table of every figure with its standard error and run time closes.
+* **--noise-seeds 0,1**: the quantization gap estimated. Our SmolLM2 is a Q4_1 file; the cards measured bfloat16
+  weights. One more Q4_1-sized rounding error is added to every Q4_1 matrix (:func:`add_rounding_error`) and the
+  score (``--task``, first ``--limit`` questions, default 1,000) measured again on the same questions, paired.
 
 Run:  python benchmarks/eval.py [--task arc_easy --limit 100]
       python benchmarks/eval.py --full [--transformers] [--reuse] [--out runs/eval]
+      python benchmarks/eval.py --noise-seeds 0,1 --task arc_easy --limit 1000
 (the model and data come from ``make``; ``transformers`` and ``lm-eval`` from the bench extra)
 """
 
@@ -185,6 +189,47 @@ def full(args) -> None:
             print(line)
 
 
+def add_rounding_error(model: torch.nn.Module, seed: int, block: int = 32) -> int:
+    """Add to every block's weight matrix (the file's Q4_1 tensors) a second rounding error of Q4_1's size: for each
+    ``block`` weights of a row the step is ``(max - min) / 15`` (Q4_1's scale, recovered from the dequantized
+    values, which span it exactly) and the error uniform in half a step either way. Returns the matrices changed."""
+    gen = torch.Generator().manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() != 2 or ".blocks." not in f".{name}" or p.shape[1] % block:
+                continue
+            w = p.view(p.shape[0], -1, block)  # (rows, blocks, 32)
+            step = (w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)) / 15
+            w.add_((torch.rand(w.shape, generator=gen) - 0.5) * step)
+            changed += 1
+    return changed
+
+
+def rounding_noise(args) -> None:
+    """How far one more Q4_1-sized rounding error moves a score, on the same questions (paired): the size of the
+    gap that quantizing the card's bfloat16 weights to Q4_1 can explain."""
+    lm = load("smollm2")
+    examples, reqs = token_requests(lm, args.task, "lm-eval", args.limit)
+    ids = [(c, x) for _, c, x in reqs]
+    clean = scores(examples, [s.logprob for s in score_requests(lm.model, ids, batch_size=args.batch_size)], "lm-eval")
+    print(f"CPU: {cpu_model()}; {args.task}, first {len(examples)} questions, lm-eval protocol, float32")
+    print(f"{'weights':<28}{'acc':>8}{'acc_norm':>10}{'d acc (paired SE)':>22}{'d acc_norm (paired SE)':>26}")
+    print(f"{'Q4_1 as shipped':<28}{100 * mean_figure(clean['acc']).value:>8.2f}", end="")
+    print(f"{100 * mean_figure(clean['acc_norm']).value:>10.2f}")
+    for seed in (int(x) for x in args.noise_seeds.split(",")):
+        noisy_lm = load("smollm2")
+        n = add_rounding_error(noisy_lm.model, seed)
+        lls = [s.logprob for s in score_requests(noisy_lm.model, ids, batch_size=args.batch_size)]
+        noisy = scores(examples, lls, "lm-eval")
+        line = f"{f'+ Q4_1-sized error, seed {seed}':<28}"
+        line += f"{100 * mean_figure(noisy['acc']).value:>8.2f}{100 * mean_figure(noisy['acc_norm']).value:>10.2f}"
+        for name in ("acc", "acc_norm"):
+            d = mean_figure([a - b for a, b in zip(noisy[name], clean[name], strict=True)])
+            line += f"{f'{100 * d.value:+.2f} ({100 * d.stderr:.2f})':>{22 if name == 'acc' else 26}}"
+        print(line + f"   ({n} matrices)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="the full sets' scores instead of the side-by-side timing")
@@ -197,8 +242,12 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true", help="--full: also transformers' scores on the same requests")
     p.add_argument("--out", default="runs/eval", help="--full: where tformer's results and records go (runs/eval)")
     p.add_argument("--reuse", action="store_true", help="--full: read tformer's results from --out where present")
+    p.add_argument("--noise-seeds", default=None, help="the rounding-error estimate instead: its seeds (e.g. 0,1)")
     args = p.parse_args()
-    if args.full:
+    if args.noise_seeds:
+        args.limit = args.limit or 1000
+        rounding_noise(args)
+    elif args.full:
         full(args)
     else:
         args.limit = args.limit or 100
