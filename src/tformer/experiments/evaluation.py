@@ -143,9 +143,10 @@ class EvaluationResult:
         ax.scatter([r.published.value for r in self.rows], y, marker="x", color="C3", zorder=3, label="published")
         ax.set_yticks(y, labels)
         ax.invert_yaxis()
+        ax.set_xlim(0, 100)  # scores are percentages; the left margin holds the legend
         ax.set_xlabel("score (%)")
         ax.set_title("tformer's scores against the published ones")
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="lower left", fontsize=8)
         return [save_figure(fig, out_dir, "evaluation")]
 
 
