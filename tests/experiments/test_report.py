@@ -302,7 +302,8 @@ def test_only_trained_combines_with_experiment_names(tmp_path, monkeypatch, caps
     )
     assert main(["report", "--quick", "--only", "mha-params,nope", "--out", "rep2"]) == 2
     err = one_line_error(capsys.readouterr().err)
-    assert "unknown experiment 'nope'; give some of: scaling," in err and "attention-maps, circuits, evaluation, trained" in err
+    assert "unknown experiment 'nope'; give some of: scaling," in err
+    assert "attention-maps, circuits, evaluation, trained" in err
     assert not Path("rep2").exists()
 
     with pytest.raises(SystemExit):
