@@ -119,3 +119,20 @@ def test_generate_until_stops_at_the_stop_string(tiny):
         [Instance("generate_until", {}, ("the cat", {"until": [], "max_gen_toks": 6}), 0)]
     )[0]
     assert model.generate_until([req]) == [free.split("t", 1)[0]]
+
+
+def test_the_entry_point_resolves_to_the_registered_model():
+    """The ``lm_eval.models`` entry point, put in a registry the way lm-eval's plugin discovery puts it (a lazy
+    placeholder), materializes to the class that ``register_model("tformer")`` registers."""
+    from importlib.metadata import entry_points
+
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import Registry, get_model
+
+    found = [ep for ep in entry_points(group="lm_eval.models") if ep.name == "tformer"]
+    assert len(found) == 1, "reinstall the package (pip install -e .) to write its entry points"
+    registry = Registry("model", base_cls=LM)
+    registry.register("tformer", target=found[0])
+    cls = registry.get("tformer")
+    assert cls is get_model("tformer")
+    assert cls.__module__ == "tformer.evaluation.lm_eval" and issubclass(cls, LM)

@@ -1,8 +1,9 @@
 """tformer as an lm-evaluation-harness model: ``--model tformer`` (lm-eval 0.4.13, the ``eval`` extra).
 
-Importing this module registers the class with ``lm_eval.api.registry.register_model("tformer")``. lm-eval 0.4.13
-finds models only in its own table (``lm_eval/models/__init__.py``), not through entry points, so the name must be
-registered in the process that runs the evaluation:
+Importing this module registers the class with ``lm_eval.api.registry.register_model("tformer")``. The package also
+declares it in the ``lm_eval.models`` entry-point group, which lm-eval's plugin discovery reads (merged upstream after
+0.4.13). lm-eval 0.4.13 itself finds models only in its own table (``lm_eval/models/__init__.py``), so with it the
+name must be registered in the process that runs the evaluation:
 
 * from Python: ``import tformer.evaluation.lm_eval`` and then ``lm_eval.simple_evaluate(model="tformer",
   model_args="pretrained=smollm2", tasks=[...])``, or pass an instance: ``simple_evaluate(model=TformerLM(...))``;
