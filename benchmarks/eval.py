@@ -16,11 +16,12 @@
   whose most likely choice differs. A table of every figure with its standard error and run time closes.
 * **--noise-seeds 0,1**: the quantization gap estimated. Our SmolLM2 is a Q4_1 file; the cards measured bfloat16
   weights. One more Q4_1-sized rounding error is added to every Q4_1 matrix (:func:`add_rounding_error`) and the
-  score (``--task``, first ``--limit`` questions, default 1,000) measured again on the same questions, paired.
+  score (``--task``, first ``--limit`` questions, default 1,000; ``--protocol``, default lm-eval) measured again on
+  the same questions, paired.
 
 Run:  python benchmarks/eval.py [--task arc_easy --limit 100]
       python benchmarks/eval.py --full [--transformers] [--reuse] [--out runs/eval]
-      python benchmarks/eval.py --noise-seeds 0,1 --task arc_easy --limit 1000
+      python benchmarks/eval.py --noise-seeds 0,1 --task arc_easy --limit 1000 [--protocol lighteval]
 (the model and data come from ``make``; ``transformers`` and ``lm-eval`` from the bench extra)
 """
 
@@ -210,10 +211,12 @@ def rounding_noise(args) -> None:
     """How far one more Q4_1-sized rounding error moves a score, on the same questions (paired): the size of the
     gap that quantizing the card's bfloat16 weights to Q4_1 can explain."""
     lm = load("smollm2")
-    examples, reqs = token_requests(lm, args.task, "lm-eval", args.limit)
+    examples, reqs = token_requests(lm, args.task, args.protocol, args.limit)
     ids = [(c, x) for _, c, x in reqs]
-    clean = scores(examples, [s.logprob for s in score_requests(lm.model, ids, batch_size=args.batch_size)], "lm-eval")
-    print(f"CPU: {cpu_model()}; {args.task}, first {len(examples)} questions, lm-eval protocol, float32")
+    clean = scores(
+        examples, [s.logprob for s in score_requests(lm.model, ids, batch_size=args.batch_size)], args.protocol
+    )
+    print(f"CPU: {cpu_model()}; {args.task}, first {len(examples)} questions, {args.protocol} protocol, float32")
     print(f"{'weights':<28}{'acc':>8}{'acc_norm':>10}{'d acc (paired SE)':>22}{'d acc_norm (paired SE)':>26}")
     print(f"{'Q4_1 as shipped':<28}{100 * mean_figure(clean['acc']).value:>8.2f}", end="")
     print(f"{100 * mean_figure(clean['acc_norm']).value:>10.2f}")
@@ -221,7 +224,7 @@ def rounding_noise(args) -> None:
         noisy_lm = load("smollm2")
         n = add_rounding_error(noisy_lm.model, seed)
         lls = [s.logprob for s in score_requests(noisy_lm.model, ids, batch_size=args.batch_size)]
-        noisy = scores(examples, lls, "lm-eval")
+        noisy = scores(examples, lls, args.protocol)
         line = f"{f'+ Q4_1-sized error, seed {seed}':<28}"
         line += f"{100 * mean_figure(noisy['acc']).value:>8.2f}{100 * mean_figure(noisy['acc_norm']).value:>10.2f}"
         for name in ("acc", "acc_norm"):
@@ -243,6 +246,12 @@ def main() -> None:
     p.add_argument("--out", default="runs/eval", help="--full: where tformer's results and records go (runs/eval)")
     p.add_argument("--reuse", action="store_true", help="--full: read tformer's results from --out where present")
     p.add_argument("--noise-seeds", default=None, help="the rounding-error estimate instead: its seeds (e.g. 0,1)")
+    p.add_argument(
+        "--protocol",
+        default="lm-eval",
+        choices=("lm-eval", "lighteval"),
+        help="--noise-seeds: lm-eval (default) or lighteval",
+    )
     args = p.parse_args()
     if args.noise_seeds:
         args.limit = args.limit or 1000

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tests.evaluation.conftest import QUESTIONS
 from tformer.evaluation import protocols
 from tformer.evaluation.model import from_pretrained
-from tformer.evaluation.scoring import _buckets, score_requests, token_logprobs_reference
+from tformer.evaluation.scoring import _buckets, _shared, score_requests, token_logprobs_reference
 
 TOL = 1e-4  # float32: summed log-likelihoods of a few tokens (the errors seen are ~1e-6)
 
@@ -91,3 +91,43 @@ def test_continuations_of_very_different_lengths_in_one_batch_score_exactly(tiny
         with torch.no_grad():
             logits = lm.model(torch.tensor([ctx + cont[:-1]]))[0, len(ctx) - 1 :]
         assert s.greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+
+
+def test_shared_leading_tokens_stop_at_the_first_difference_and_leave_each_a_token():
+    assert _shared([[5, 6, 7, 8], [5, 6, 9]]) == 2
+    assert _shared([[5, 6, 7], [5, 6, 7, 8]]) == 2  # a prefix of another keeps its last token
+    assert _shared([[5, 6, 7]]) == 2  # one continuation: all but its last token go with the context
+    assert _shared([[1, 2], [3, 2]]) == 0 and _shared([[4], [4, 5]]) == 0
+
+
+def test_continuations_sharing_their_first_tokens_score_exactly(tiny):
+    """Choices that begin alike (PIQA's solutions) have their common tokens run with the context once: each
+    choice's log-likelihood and greedy flag still equal one plain pass over its own ``ctx + cont``."""
+    lm = from_pretrained(tiny)
+    stems = ["the cat sat on", "a dog ran", "we"]
+    endings = [
+        [" the mat and then slept", " the mat and then ran", " the mat and"],  # one a prefix of the others
+        [" in the park", " in the rain"],
+        [" sat on a mat", " sat on a mat"],  # the same text twice
+    ]
+    reqs = [(lm.encode(c), lm.encode(x)) for c, xs in zip(stems, endings, strict=True) for x in xs]
+    reqs.append((lm.encode("then it"), lm.encode(" rained on us all day")))  # a context with one continuation
+    for text in ("the park", "a park"):  # choices greedy after a shared first token that is greedy, or is not
+        ctx = lm.encode(text)
+        with torch.no_grad():
+            last = lm.model(torch.tensor([ctx]))[0, -1]
+            first = (last.argmax() if text == "the park" else last.argmin()).item()
+            nxt = lm.model(torch.tensor([ctx + [first]]))[0, -1]
+        reqs += [(ctx, [first, nxt.argmax().item()]), (ctx, [first, nxt.argmin().item()])]
+    groups = [reqs[0:3], reqs[3:5], reqs[5:7]]
+    shared = [_shared([x for _, x in g]) for g in groups]
+    assert shared[0] == len(reqs[2][1]) - 1 and shared[1] > 0 and shared[2] == len(reqs[5][1]) - 1
+    for batch_size in (1, 4):
+        scored = score_requests(lm.model, reqs, batch_size=batch_size, pad_id=lm.pad_id)
+        for (ctx, cont), s in zip(reqs, scored, strict=True):
+            ref = token_logprobs_reference(lm.model, ctx, cont)
+            assert s.logprob == pytest.approx(ref.sum().item(), abs=TOL)
+            with torch.no_grad():
+                logits = lm.model(torch.tensor([ctx + cont[:-1]]))[0, len(ctx) - 1 :]
+            assert s.greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+        assert [s.greedy for s in scored[-4:]] == [True, False, False, False]  # the shared token counts
