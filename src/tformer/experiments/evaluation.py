@@ -1,7 +1,8 @@
 """``evaluation``: published benchmark scores reproduced by ``tformer eval`` (:mod:`tformer.evaluation`).
 
 Claim: a model card's zero-shot scores come from a protocol that can be written down rule by rule; run by those
-rules on the same model, the published figures come back within the standard error of the set. The figures
+rules on the same model, the published figures come back within two standard errors of a 200-example slice (the
+full sets, in BENCHMARKS.md, resolve the Q4_1 model's gaps of 0.8-2.5 points). The figures
 (``PUBLISHED``): SmolLM2-135M-Instruct's model card (lighteval, acc_norm_nospace): HellaSwag 40.9, PIQA 66.3, ARC
 (the mean of Easy and Challenge) 37.3, MMLU cloze 29.3; community lm-evaluation-harness runs of the same model:
 HellaSwag acc_norm 42.9, PIQA acc_norm 66.8, ARC-Challenge acc_norm 27.7, ARC-Easy acc 54.1; MTEB's result for
@@ -27,8 +28,10 @@ QUESTION = "Q+ evaluation"  # beyond the source's questions: published benchmark
 TITLE = "Benchmark scores against the model cards"
 CLAIM = (
     "Run by the protocol a model card used (lighteval's, or lm-evaluation-harness's), the same model gets the "
-    "published zero-shot scores back within the standard error of the set: SmolLM2-135M-Instruct's card and "
-    "community lm-eval runs, and all-MiniLM-L6-v2's STS Benchmark result."
+    "published zero-shot scores back within two standard errors of the first 200 examples of each set: "
+    "SmolLM2-135M-Instruct's card and community lm-eval runs, and all-MiniLM-L6-v2's STS Benchmark result. "
+    "The full sets (BENCHMARKS.md), with standard errors two to seven times smaller, put the Q4_1 SmolLM2 "
+    "0.8-2.5 points under the published figures."
 )
 STS_TEST = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "stsbenchmark" / "sts-test.csv"
 SIZES: dict[str, dict] = {
