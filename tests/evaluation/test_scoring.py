@@ -84,7 +84,12 @@ def test_continuations_of_very_different_lengths_in_one_batch_score_exactly(tiny
         for q in range(4)
         for n in (1, 2, 5, 11)
     ]
-    scored = score_requests(lm.model, reqs, batch_size=4, pad_id=lm.pad_id)
+    assert_each_equals_its_plain_pass(lm, reqs, score_requests(lm.model, reqs, batch_size=4, pad_id=lm.pad_id))
+
+
+def assert_each_equals_its_plain_pass(lm, reqs, scored) -> None:
+    """Each request's log-likelihood (within ``TOL``) and greedy flag (exactly) are those of one plain forward
+    pass over its own ``ctx + cont``."""
     for (ctx, cont), s in zip(reqs, scored, strict=True):
         ref = token_logprobs_reference(lm.model, ctx, cont)
         assert s.logprob == pytest.approx(ref.sum().item(), abs=TOL)
@@ -124,10 +129,5 @@ def test_continuations_sharing_their_first_tokens_score_exactly(tiny):
     assert shared[0] == len(reqs[2][1]) - 1 and shared[1] > 0 and shared[2] == len(reqs[5][1]) - 1
     for batch_size in (1, 4):
         scored = score_requests(lm.model, reqs, batch_size=batch_size, pad_id=lm.pad_id)
-        for (ctx, cont), s in zip(reqs, scored, strict=True):
-            ref = token_logprobs_reference(lm.model, ctx, cont)
-            assert s.logprob == pytest.approx(ref.sum().item(), abs=TOL)
-            with torch.no_grad():
-                logits = lm.model(torch.tensor([ctx + cont[:-1]]))[0, len(ctx) - 1 :]
-            assert s.greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
+        assert_each_equals_its_plain_pass(lm, reqs, scored)
         assert [s.greedy for s in scored[-4:]] == [True, False, False, False]  # the shared token counts
