@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.evaluation.conftest import QUESTIONS
-from tformer.evaluation import protocols
+from tformer.evaluation import protocols, scoring
 from tformer.evaluation.model import from_pretrained
 from tformer.evaluation.scoring import _buckets, _shared, score_requests, token_logprobs_reference
 
@@ -131,3 +131,16 @@ def test_continuations_sharing_their_first_tokens_score_exactly(tiny):
         scored = score_requests(lm.model, reqs, batch_size=batch_size, pad_id=lm.pad_id)
         assert_each_equals_its_plain_pass(lm, reqs, scored)
         assert [s.greedy for s in scored[-4:]] == [True, False, False, False]  # the shared token counts
+
+
+def test_the_output_head_in_pieces_gives_the_same_scores(tiny, monkeypatch):
+    """Long windows (perplexity) score their positions in pieces of ``HEAD_ROWS`` so that the ``(rows, V)`` logits
+    stay bounded; the pieces' seams change nothing."""
+    lm = from_pretrained(tiny)
+    reqs = requests_of(lm)
+    whole = score_requests(lm.model, reqs, batch_size=64, pad_id=lm.pad_id)
+    monkeypatch.setattr(scoring, "HEAD_ROWS", 3)
+    pieces = score_requests(lm.model, reqs, batch_size=64, pad_id=lm.pad_id)
+    assert [s.greedy for s in pieces] == [s.greedy for s in whole]
+    assert [s.logprob for s in pieces] == pytest.approx([s.logprob for s in whole], abs=TOL)
+    assert_each_equals_its_plain_pass(lm, reqs, pieces)

@@ -3,16 +3,16 @@
 Shapes: B, T, P, C, V, M (the package legend; here B counts the contexts of a batch, then the continuation rows,
 and M the scored positions).
 
-A request is ``(context ids, continuation ids)``; its log-likelihood is ``sum_k log p(cont_k | ctx, cont_<k)`` and it
-is greedy when every ``cont_k`` is the argmax. The choices of one question share their context, so each distinct
+A request is ``(context ids, continuation ids)``; its log-likelihood is ``sum_k log p(cont_k | ctx, cont_<k)`` and
+it is greedy when every ``cont_k`` is the argmax. The choices of one question share their context, so each distinct
 context runs once, together with the leading tokens that all its continuations share (PIQA's two solutions often
 begin alike): contexts of similar length run together, left-padded (``hidden`` with a padding mask, positions
 counted from the mask), and the rest of each continuation (all but its last token) runs against its context's
 key/value cache, right-padded in runs of similar length, each run with its own copy of the cache rows it needs. Only
-the positions that predict a continuation token go through the output head, in float32 for the log-softmax; a shared
-token's log-probability is computed once and counted for every continuation that shares it. The result equals
-scoring ``ctx + cont`` in one pass (what lm-evaluation-harness's Hugging Face model does) up to float rounding;
-tests/evaluation hold it against ``transformers``.
+the positions that predict a continuation token go through the output head, ``HEAD_ROWS`` at a time, in float32 for
+the log-softmax; a shared token's log-probability is computed once and counted for every continuation that shares
+it. The result equals scoring ``ctx + cont`` in one pass (what lm-evaluation-harness's Hugging Face model does) up
+to float rounding; tests/evaluation hold it against ``transformers``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import Tensor
 from tformer.models import pad_left, pad_right
 
 BUCKET_FILL = 0.75  # a continuation run padded to its longest is at least 3/4 real tokens
+HEAD_ROWS = 4096  # positions per output-head call: 4,096 x a 49,152-token vocabulary in float32 is 0.8 GB
 
 
 @dataclass(frozen=True)
@@ -135,10 +136,13 @@ def _score_batch(model, requests, batch, pad_id: int) -> dict[int, Scored]:
         for r in bucket:
             targets += conts[r][1:]
             segment += [r] * (len(conts[r]) - 1)
-    logits = model.logits(torch.cat(h).unsqueeze(0))[0].float()  # (M, V): only the scored positions
-    target = torch.tensor(targets, device=device)  # (M,)
-    token_lp = logits.gather(1, target[:, None])[:, 0] - logits.logsumexp(-1)  # (M,)
-    hit = (logits.argmax(-1) == target).float()  # (M,)
+    hidden, target = torch.cat(h), torch.tensor(targets, device=device)  # (M, C), (M,): only the scored positions
+    token_lp, hit = torch.empty(len(target), device=device), torch.empty(len(target), device=device)  # (M,), (M,)
+    for at in range(0, len(target), HEAD_ROWS):
+        logits = model.logits(hidden[None, at : at + HEAD_ROWS])[0].float()  # (<= HEAD_ROWS, V)
+        t = target[at : at + HEAD_ROWS]
+        token_lp[at : at + len(t)] = logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(-1)
+        hit[at : at + len(t)] = (logits.argmax(-1) == t).float()
     seg = torch.tensor(segment, device=device)
     n, own = len(rows) + len(batch), torch.tensor(owner, device=device) + len(rows)
     totals = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, token_lp.double())
