@@ -120,9 +120,10 @@ def _score_batch(model, requests, batch, pad_id: int) -> dict[int, Scored]:
     P = ids.shape[1]
     at_b = [b for b, (_, _, shared) in enumerate(batch) for _ in range(shared)]  # the shared tokens' positions
     at_p = [P - 1 - shared + k for _, _, shared in batch for k in range(shared)]
-    if at_b:  # position P - 1 - shared + k predicts shared token k; segment R + b: counted for all of group b
-        h.append(h_all[torch.tensor(at_b, device=device), torch.tensor(at_p, device=device)])
-        targets += [t for _, idx, shared in batch for t in requests[idx[0]][1][:shared]]
+    if at_b:  # position p predicts the shared token at p + 1; segment R + b: counted for all of group b
+        b_at, p_at = torch.tensor(at_b, device=device), torch.tensor(at_p, device=device)
+        h.append(h_all[b_at, p_at])
+        targets += ids[b_at, p_at + 1].tolist()
         segment += [len(rows) + b for b in at_b]
     longer = [r for r, c in enumerate(conts) if len(c) > 1]
     for run in _buckets([len(conts[r]) - 1 for r in longer]):  # the rest of the tokens against the context's cache
