@@ -100,6 +100,7 @@ def assert_each_equals_its_plain_pass(lm, reqs, scored) -> None:
 
 def test_shared_leading_tokens_stop_at_the_first_difference_and_leave_each_a_token():
     assert _shared([[5, 6, 7, 8], [5, 6, 9]]) == 2
+    assert _shared([[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 1]]) == 2  # they differ before the last token
     assert _shared([[5, 6, 7], [5, 6, 7, 8]]) == 2  # a prefix of another keeps its last token
     assert _shared([[5, 6, 7]]) == 2  # one continuation: all but its last token go with the context
     assert _shared([[1, 2], [3, 2]]) == 0 and _shared([[4], [4, 5]]) == 0
