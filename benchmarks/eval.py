@@ -13,14 +13,17 @@
   records kept in ``--out`` (``--reuse`` reads back those a ``tformer eval --json --records`` run left there);
   ``--transformers`` adds ``transformers``' scores on the same requests (same file, same protocol), scored through
   HFLM, with the largest per-choice log-likelihood difference from tformer's records and the number of questions
-  whose most likely choice differs. A table of every figure with its standard error and run time closes.
+  whose most likely choice differs. A table of every figure with its standard error and run time closes. HFLM's
+  log-likelihoods go to ``--out/PROTOCOL-TASK.transformers.jsonl`` a chunk at a time, so a run stopped part way goes
+  on where it stopped. ``--record FILE`` puts each set's figures, CPU and date into the JSON record that
+  ``tformer report`` shows (``benchmarks/results/eval-full.json``).
 * **--noise-seeds 0,1**: the quantization gap estimated. Our SmolLM2 is a Q4_1 file; the cards measured bfloat16
   weights. One more Q4_1-sized rounding error is added to every Q4_1 matrix (:func:`add_rounding_error`) and the
   score (``--task``, first ``--limit`` questions, default 1,000; ``--protocol``, default lm-eval) measured again on
   the same questions, paired.
 
 Run:  python benchmarks/eval.py [--task arc_easy --limit 100]
-      python benchmarks/eval.py --full [--transformers] [--reuse] [--out runs/eval]
+      python benchmarks/eval.py --full [--transformers] [--reuse] [--out runs/eval] [--record FILE]
       python benchmarks/eval.py --noise-seeds 0,1 --task arc_easy --limit 1000 [--protocol lighteval]
 (the model and data come from ``make``; ``transformers`` and ``lm-eval`` from the bench extra)
 """
@@ -40,6 +43,7 @@ from tformer.evaluation import protocols, tasks
 from tformer.evaluation.metrics import mean_figure
 from tformer.evaluation.model import load
 from tformer.evaluation.scoring import score_requests
+from tformer.experiments import evaluation
 from tformer.generation.chat import chat_prompt
 
 
@@ -66,6 +70,61 @@ def hf_scorer(batch_size: int):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
     return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+
+
+def hf_loglikelihoods(hf, reqs: list, path: Path, chunk: int = 2000) -> tuple[list[float], float]:
+    """HFLM's log-likelihoods of ``reqs`` and the seconds they took, ``chunk`` requests at a time, each chunk's
+    appended to ``path`` as one JSON line as it finishes: a run stopped part way goes on from its last whole chunk
+    (a full set takes hours under HFLM), and a finished file is read back, not scored again."""
+    lls: list[float] = []
+    seconds = 0.0
+    lines = path.read_text().splitlines() if path.exists() else []
+    for number, line in enumerate(lines, 1):
+        try:
+            part = json.loads(line)
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not JSON; delete the file to score again") from None
+            # the last line, cut short by a stop mid-write: dropped, its chunk scored again
+            path.write_text("".join(kept + "\n" for kept in lines[:-1]))
+            break
+        if part["start"] != len(lls) or part["requests"] != len(reqs):
+            raise ValueError(f"{path}:{number}: from another set of requests; delete the file to score again")
+        lls += part["lls"]
+        seconds += part["seconds"]
+    with path.open("a") as f:
+        for start in range(len(lls), len(reqs), chunk):
+            wall = time.perf_counter()
+            part = [r[0] for r in hf._loglikelihood_tokens(reqs[start : start + chunk], disable_tqdm=True)]
+            took = time.perf_counter() - wall
+            f.write(json.dumps({"start": start, "requests": len(reqs), "seconds": took, "lls": part}) + "\n")
+            f.flush()
+            lls += part
+            seconds += took
+            print(f"{path.name}: {len(lls)}/{len(reqs)} requests, {seconds:.0f} s", flush=True)
+    return lls, seconds
+
+
+def record(path: Path, row: dict) -> None:
+    """``row`` (one full set under one protocol, as :func:`full` prints it) put into the JSON record at ``path``
+    that ``tformer report`` shows, with this CPU and today's date (:func:`evaluation.record_full_set`)."""
+    entry = {
+        "protocol": row["protocol"],
+        "task": row["task"],
+        "n": row["n"],
+        "seconds": round(row["seconds"], 1),
+        "figures": {k: [round(row[k][0], 6), round(row[k][1], 6)] for k in row if k.startswith("acc")},
+        "cpu": cpu_model(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if "hf" in row:
+        entry["transformers"] = {
+            "figures": {k: round(row["hf"]["acc" if k == "acc" else "acc_norm"], 6) for k in entry["figures"]},
+            "seconds": round(row["hf_seconds"], 1),
+            "max_abs_dll": row["max_diff"],
+            "argmax_differs": row["pred_differ"],
+        }
+    evaluation.record_full_set(path, entry)
 
 
 def scores(examples, lls: list[float], protocol: str) -> dict[str, list[float]]:
@@ -162,9 +221,7 @@ def full(args) -> None:
             row.update({name: (f["value"], f["stderr"]) for name, f in ours["figures"].items()})
             if hf is not None:
                 examples, reqs = token_requests(lm, task, protocol, args.limit)
-                start = time.perf_counter()
-                lls = [r[0] for r in hf._loglikelihood_tokens(reqs, disable_tqdm=True)]
-                row["hf_seconds"] = time.perf_counter() - start
+                lls, row["hf_seconds"] = hf_loglikelihoods(hf, reqs, stem.with_suffix(".transformers.jsonl"))
                 row["hf"] = {k: mean_figure(v).value for k, v in scores(examples, lls, protocol).items()}
                 recorded = [json.loads(line) for line in stem.with_suffix(".jsonl").read_text().splitlines()]
                 theirs = iter(lls)
@@ -176,6 +233,8 @@ def full(args) -> None:
                 row["max_diff"], row["pred_differ"] = max(diffs), differ
             rows.append(row)
             print(json.dumps(row))
+            if args.record:
+                record(Path(args.record), row)
     print(f"\n{'protocol':<10}{'task':<15}{'n':>7}{'figure':>18}{'tformer':>16}{'s':>7}", end="")
     print(f"{'transformers':>14}{'s':>7}{'max |dLL|':>11}{'argmax differs':>16}" if hf is not None else "")
     for row in rows:
@@ -245,6 +304,11 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true", help="--full: also transformers' scores on the same requests")
     p.add_argument("--out", default="runs/eval", help="--full: where tformer's results and records go (runs/eval)")
     p.add_argument("--reuse", action="store_true", help="--full: read tformer's results from --out where present")
+    p.add_argument(
+        "--record",
+        default=None,
+        help="--full: put each set's figures into this JSON record (the report's: benchmarks/results/eval-full.json)",
+    )
     p.add_argument("--noise-seeds", default=None, help="the rounding-error estimate instead: its seeds (e.g. 0,1)")
     p.add_argument(
         "--protocol",

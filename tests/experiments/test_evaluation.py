@@ -3,6 +3,7 @@ combined as the card combines the sets, and a missing model reported rather than
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -66,8 +67,81 @@ def test_a_missing_model_is_reported_not_raised(monkeypatch, tmp_path):
     from tformer.interop import shipped
 
     monkeypatch.setattr(shipped, "locate", lambda name: tmp_path / "absent")
-    r = evaluation.run(protocols=("lm-eval",), tasks=("arc_easy",), limit=2, sts=tmp_path / "none.csv")
+    r = evaluation.run(protocols=("lm-eval",), tasks=("arc_easy",), limit=2, sts=tmp_path / "none.csv", full=None)
     assert r.rows == [] and r.tables() == []
     assert r.findings()[0].startswith("not measured: ") and "STS-B: no file at" in r.findings()[0]
     (png,) = r.plot(tmp_path)
     assert png.is_file()
+
+
+def _entry(protocol: str, task: str, figure: str, value: float, stderr: float, n: int, hf: float | None = None):
+    entry = {
+        "protocol": protocol,
+        "task": task,
+        "n": n,
+        "seconds": 10.0,
+        "figures": {"acc": [0.25, 0.01], figure: [value, stderr]},
+        "cpu": "a CPU",
+        "date": "2026-12-07",
+    }
+    if hf is not None:
+        figures = {"acc": 0.25, figure: hf}
+        entry["transformers"] = {"figures": figures, "seconds": 30.0, "max_abs_dll": 1e-4, "argmax_differs": 2}
+    return entry
+
+
+def test_the_full_sets_are_read_from_the_benchmarks_record(tmp_path):
+    path = tmp_path / "results" / "full.json"
+    evaluation.record_full_set(path, _entry("lighteval", "arc_easy", "acc_norm_nospace", 0.9, 0.01, 100, hf=0.0))
+    evaluation.record_full_set(path, _entry("lighteval", "arc_challenge", "acc_norm_nospace", 0.3, 0.04, 50, 0.3))
+    evaluation.record_full_set(path, _entry("lighteval", "arc_easy", "acc_norm_nospace", 0.5, 0.03, 100, hf=0.52))
+    evaluation.record_full_set(path, _entry("lm-eval", "piqa", "acc_norm", 0.6, 0.02, 80))
+    assert [p.name for p in path.parent.iterdir()] == ["full.json"]  # the temporary file renamed, none left
+    sets = [(r["protocol"], r["task"]) for r in json.loads(path.read_text())["rows"]]
+    assert sets == [("lighteval", "arc_challenge"), ("lighteval", "arc_easy"), ("lm-eval", "piqa")]
+
+    wanted = [p for p in evaluation.PUBLISHED if p.protocol == "lighteval" or "piqa" in p.tasks]
+    rows, missing = evaluation.full_rows(path, wanted)
+    assert missing == ["lighteval hellaswag", "lighteval piqa", "lighteval mmlu"]
+    arc, piqa = rows
+    assert arc.label == "arc (mean of easy, challenge)" and arc.examples == 150 and arc.seconds == 20.0
+    assert arc.value == pytest.approx(40.0)  # the second arc_easy entry replaced the first
+    assert arc.stderr == pytest.approx(100 * math.sqrt(0.03**2 + 0.04**2) / 2)
+    assert arc.transformers == pytest.approx(41.0) and arc.transformers_seconds == 60.0 and arc.argmax_differs == 4
+    assert piqa.published.protocol == "lm-eval" and piqa.value == pytest.approx(60.0) and piqa.transformers is None
+
+    result = evaluation.EvaluationResult(limit=200, full=rows)
+    (table,) = result.tables()
+    assert table.title.startswith("The full sets, recorded by benchmarks/eval.py --full on a CPU")
+    cells = dict(zip(table.columns, table.rows[1], strict=True))
+    assert cells["transformers (%)"] == "not run" and cells["tformer (%)"] == "60.00 ± 2.00"
+    assert cells["(ours - pub) / SE"] == f"{(60.0 - 66.8) / 2.0:+.2f}"
+    (line,) = result.findings()
+    assert "1 of 2 published figures within 2 standard errors" in line and "from -6.80 to +2.70 points" in line
+    assert "the same figure on 0 of the 1 it ran on, 4 questions" in line
+
+
+def test_a_record_that_is_not_one_is_named_with_the_fix(tmp_path):
+    path = tmp_path / "full.json"
+    path.write_text('{"rows": [{"protocol": "lm-eval"}]}')
+    with pytest.raises(ValueError, match=r"full\.json is not a record of benchmarks/eval\.py --full --record"):
+        evaluation.full_rows(path, list(evaluation.PUBLISHED))
+    with pytest.raises(ValueError, match="needs n, seconds, figures, cpu, date"):
+        evaluation.record_full_set(path, {"protocol": "lm-eval", "task": "piqa"})
+    assert path.read_text() == '{"rows": [{"protocol": "lm-eval"}]}'
+
+
+def test_the_full_sets_are_shown_without_the_model(monkeypatch, tmp_path):
+    from tformer.interop import shipped
+
+    path = tmp_path / "full.json"
+    evaluation.record_full_set(path, _entry("lm-eval", "arc_easy", "acc", 0.5, 0.01, 100, hf=0.5))
+    monkeypatch.setattr(shipped, "locate", lambda name: tmp_path / "absent")
+    r = evaluation.run(protocols=("lm-eval",), tasks=("arc_easy", "piqa"), limit=2, sts=None, full=path)
+    assert r.rows == [] and [row.label for row in r.full] == ["arc_easy"]
+    assert r.findings()[0].startswith("full sets (recorded): 0 of 1 published figures within 2 standard errors")
+    assert f"skipped: full set of lm-eval piqa: not in {path} yet" in r.findings()
+    (png,) = r.plot(tmp_path)
+    assert png.is_file()
+    absent = evaluation.run(protocols=("lm-eval",), tasks=("arc_easy",), limit=2, sts=None, full=tmp_path / "no.json")
+    assert absent.full == [] and "full sets: no record at" in absent.findings()[0]
