@@ -12,11 +12,12 @@
 * **--full**: ``tformer.evaluate`` on the full sets (``--tasks``, ``--protocols``), its results and per-example
   records kept in ``--out`` (``--reuse`` reads back those a ``tformer eval --json --records`` run left there);
   ``--transformers`` adds ``transformers``' scores on the same requests (same file, same protocol), scored through
-  HFLM, with the largest per-choice log-likelihood difference from tformer's records and the number of questions
-  whose most likely choice differs. A table of every figure with its standard error and run time closes. HFLM's
-  log-likelihoods go to ``--out/PROTOCOL-TASK.transformers.jsonl`` a chunk at a time, so a run stopped part way goes
-  on where it stopped. ``--record FILE`` puts each set's figures, CPU and date into the JSON record that
-  ``tformer report`` shows (``benchmarks/results/eval-full.json``).
+  HFLM (``--transformers cache``: through ``transformers``' own key/value cache, each shared context once, the same
+  sums ~1.9x sooner), with the largest per-choice log-likelihood difference from tformer's records and the number of
+  questions whose most likely choice differs. A table of every figure with its standard error and run time closes.
+  The log-likelihoods go to ``--out/PROTOCOL-TASK.transformers[-cache].jsonl`` a chunk at a time, so a run stopped
+  part way goes on where it stopped. ``--record FILE`` puts each set's figures, CPU and date into the JSON record
+  that ``tformer report`` shows (``benchmarks/results/eval-full.json``).
 * **--noise-seeds 0,1**: the quantization gap estimated. Our SmolLM2 is a Q4_1 file; the cards measured bfloat16
   weights. One more Q4_1-sized rounding error is added to every Q4_1 matrix (:func:`add_rounding_error`) and the
   score (``--task``, first ``--limit`` questions, default 1,000; ``--protocol``, default lm-eval) measured again on
@@ -72,8 +73,34 @@ def hf_scorer(batch_size: int):
     return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
 
 
-def hf_loglikelihoods(hf, reqs: list, path: Path, chunk: int = 2000) -> tuple[list[float], float]:
-    """HFLM's log-likelihoods of ``reqs`` and the seconds they took, ``chunk`` requests at a time, each chunk's
+@torch.inference_mode()
+def hf_cached(model, reqs: list) -> list[float]:
+    """``transformers``' log-likelihoods of ``reqs`` through its own key/value cache: each distinct context once
+    (only its last position through the head), its cache repeated for the choices' continuations, which run as one
+    right-padded batch (a padding token comes after every real one, so causal attention never sees it)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (_, ctx, _) in enumerate(reqs):
+        groups.setdefault(tuple(ctx), []).append(i)
+    out = [0.0] * len(reqs)
+    for ctx, idx in groups.items():
+        res = model(input_ids=torch.tensor([ctx]), use_cache=True, logits_to_keep=1)
+        first = res.logits[0, -1].float().log_softmax(-1)
+        conts = [list(reqs[i][2]) for i in idx]
+        for i, c in zip(idx, conts, strict=True):
+            out[i] = first[c[0]].item()
+        longest = max(len(c) for c in conts)
+        if longest > 1:
+            cache = res.past_key_values
+            cache.batch_repeat_interleave(len(idx))
+            ids = torch.tensor([c[:-1] + [0] * (longest - len(c)) for c in conts])
+            logp = model(input_ids=ids, past_key_values=cache, use_cache=False).logits.float().log_softmax(-1)
+            for j, (i, c) in enumerate(zip(idx, conts, strict=True)):
+                out[i] += logp[j, torch.arange(len(c) - 1), torch.tensor(c[1:])].sum().item()
+    return out
+
+
+def hf_loglikelihoods(score, reqs: list, path: Path, chunk: int = 2000) -> tuple[list[float], float]:
+    """``score``'s log-likelihoods of ``reqs`` and the seconds they took, ``chunk`` requests at a time, each chunk's
     appended to ``path`` as one JSON line as it finishes: a run stopped part way goes on from its last whole chunk
     (a full set takes hours under HFLM), and a finished file is read back, not scored again."""
     lls: list[float] = []
@@ -95,7 +122,7 @@ def hf_loglikelihoods(hf, reqs: list, path: Path, chunk: int = 2000) -> tuple[li
     with path.open("a") as f:
         for start in range(len(lls), len(reqs), chunk):
             wall = time.perf_counter()
-            part = [r[0] for r in hf._loglikelihood_tokens(reqs[start : start + chunk], disable_tqdm=True)]
+            part = score(reqs[start : start + chunk])
             took = time.perf_counter() - wall
             f.write(json.dumps({"start": start, "requests": len(reqs), "seconds": took, "lls": part}) + "\n")
             f.flush()
@@ -123,6 +150,7 @@ def record(path: Path, row: dict) -> None:
             "seconds": round(row["hf_seconds"], 1),
             "max_abs_dll": row["max_diff"],
             "argmax_differs": row["pred_differ"],
+            "scorer": row.get("hf_scorer", "HFLM"),
         }
     evaluation.record_full_set(path, entry)
 
@@ -221,7 +249,13 @@ def full(args) -> None:
             row.update({name: (f["value"], f["stderr"]) for name, f in ours["figures"].items()})
             if hf is not None:
                 examples, reqs = token_requests(lm, task, protocol, args.limit)
-                lls, row["hf_seconds"] = hf_loglikelihoods(hf, reqs, stem.with_suffix(".transformers.jsonl"))
+                if args.transformers == "cache":
+                    score, name = (lambda part: hf_cached(hf.model, part)), ".transformers-cache.jsonl"
+                else:
+                    score = lambda part: [r[0] for r in hf._loglikelihood_tokens(part, disable_tqdm=True)]  # noqa: E731
+                    name = ".transformers.jsonl"
+                lls, row["hf_seconds"] = hf_loglikelihoods(score, reqs, stem.with_suffix(name))
+                row["hf_scorer"] = "HFLM" if args.transformers == "hflm" else "cache"
                 row["hf"] = {k: mean_figure(v).value for k, v in scores(examples, lls, protocol).items()}
                 recorded = [json.loads(line) for line in stem.with_suffix(".jsonl").read_text().splitlines()]
                 theirs = iter(lls)
@@ -301,7 +335,14 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8, help="side by side: questions per alternated chunk (default 8)")
     p.add_argument("--tasks", default="arc_easy,arc_challenge,piqa", help="--full: the tasks")
     p.add_argument("--protocols", default="lighteval,lm-eval", help="--full: the protocols")
-    p.add_argument("--transformers", action="store_true", help="--full: also transformers' scores on the same requests")
+    p.add_argument(
+        "--transformers",
+        nargs="?",
+        const="hflm",
+        choices=("hflm", "cache"),
+        help="--full: also transformers' scores on the same requests, through lm-eval's HFLM (the default) or with "
+        "transformers' own key/value cache for each shared context (cache: ~1.9x faster, the same sums)",
+    )
     p.add_argument("--out", default="runs/eval", help="--full: where tformer's results and records go (runs/eval)")
     p.add_argument("--reuse", action="store_true", help="--full: read tformer's results from --out where present")
     p.add_argument(

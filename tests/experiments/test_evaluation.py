@@ -86,7 +86,13 @@ def _entry(protocol: str, task: str, figure: str, value: float, stderr: float, n
     }
     if hf is not None:
         figures = {"acc": 0.25, figure: hf}
-        entry["transformers"] = {"figures": figures, "seconds": 30.0, "max_abs_dll": 1e-4, "argmax_differs": 2}
+        entry["transformers"] = {
+            "figures": figures,
+            "seconds": 30.0,
+            "max_abs_dll": 1e-4,
+            "argmax_differs": 2,
+            "scorer": "HFLM" if task == "arc_easy" else "cache",
+        }
     return entry
 
 
@@ -116,6 +122,7 @@ def test_the_full_sets_are_read_from_the_benchmarks_record(tmp_path):
     cells = dict(zip(table.columns, table.rows[1], strict=True))
     assert cells["transformers (%)"] == "not run" and cells["tformer (%)"] == "60.00 ± 2.00"
     assert cells["(ours - pub) / SE"] == f"{(60.0 - 66.8) / 2.0:+.2f}"
+    assert dict(zip(table.columns, table.rows[0], strict=True))["transformers (%)"] == "41.00 (HFLM + cache)"
     (line,) = result.findings()
     assert "1 of 2 published figures within 2 standard errors" in line and "from -6.80 to +2.70 points" in line
     assert "the same figure on 0 of the 1 it ran on, 4 questions" in line

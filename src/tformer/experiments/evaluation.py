@@ -102,6 +102,7 @@ class FullRow(Row):
     transformers: float | None = None  # in %
     transformers_seconds: float | None = None
     argmax_differs: int | None = None  # questions whose most likely choice differs between the two
+    transformers_scorer: str = ""  # "HFLM" (lm-eval's) or "cache" (transformers' own key/value cache)
     cpu: str = ""
 
 
@@ -143,7 +144,7 @@ class EvaluationResult:
                     str(r.examples),
                     f"{r.published.value:.2f}",
                     f"{r.distance:+.2f}",
-                    "not run" if r.transformers is None else f"{r.transformers:.2f}",
+                    "not run" if r.transformers is None else f"{r.transformers:.2f} ({r.transformers_scorer})",
                     "" if r.argmax_differs is None else str(r.argmax_differs),
                     f"{r.seconds:.0f}",
                     "" if r.transformers_seconds is None else f"{r.transformers_seconds:.0f}",
@@ -151,8 +152,9 @@ class EvaluationResult:
                 for r in self.full
             )
             title = (
-                f"The full sets, recorded by benchmarks/eval.py --full on {cpus} (one thread; transformers: "
-                "lm-eval's HFLM on the same GGUF file and requests), against the published figures"
+                f"The full sets, recorded by benchmarks/eval.py --full on {cpus} (one thread; transformers on the "
+                "same GGUF file and requests, through lm-eval's HFLM or its own key/value cache), against the "
+                "published figures"
             )
             out.append(Table(columns, full, title))
         return out
@@ -232,8 +234,8 @@ RECORD_KEYS = ("protocol", "task", "n", "seconds", "figures", "cpu", "date")  # 
 def record_full_set(path: str | Path, entry: dict) -> None:
     """One full set's ``entry`` (``RECORD_KEYS``: ``figures`` maps each figure's name to ``[value, stderr]``, as
     fractions; ``transformers``, optional: ``figures`` (name to value), ``seconds``, ``max_abs_dll``,
-    ``argmax_differs``) put into the record at ``path``, replacing the same protocol's and task's earlier one. Written
-    whole: a temporary file beside it, renamed over the old."""
+    ``argmax_differs``, ``scorer``: ``HFLM`` or ``cache``) put into the record at ``path``, replacing the same
+    protocol's and task's earlier one. Written whole: a temporary file beside it, renamed over the old."""
     absent = [k for k in RECORD_KEYS if k not in entry]
     if absent:
         raise ValueError(f"a full set's record entry needs {', '.join(absent)}; got keys {', '.join(entry)}")
@@ -284,6 +286,7 @@ def full_rows(path: str | Path, wanted: list[Published]) -> tuple[list[FullRow],
                 full.transformers = 100 * sum(h["figures"][p.figure] for h in hf) / len(hf)
                 full.transformers_seconds = sum(h["seconds"] for h in hf)
                 full.argmax_differs = sum(h["argmax_differs"] for h in hf)
+                full.transformers_scorer = " + ".join(dict.fromkeys(h.get("scorer", "HFLM") for h in hf))
             rows.append(full)
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(_not_a_record(path, err)) from None
