@@ -118,7 +118,7 @@ def test_the_full_sets_are_read_from_the_benchmarks_record(tmp_path):
 
     result = evaluation.EvaluationResult(limit=200, full=rows)
     (table,) = result.tables()
-    assert table.title.startswith("The full sets, recorded by benchmarks/eval.py --full on a CPU")
+    assert table.title.startswith("The full sets, recorded by benchmarks/eval.py --full on a CPU (transformers")
     cells = dict(zip(table.columns, table.rows[1], strict=True))
     assert cells["transformers (%)"] == "not run" and cells["tformer (%)"] == "60.00 ± 2.00"
     assert cells["(ours - pub) / SE"] == f"{(60.0 - 66.8) / 2.0:+.2f}"

@@ -89,6 +89,11 @@ class Row:
     def label(self) -> str:
         return " + ".join(self.published.tasks) if len(self.published.tasks) == 1 else "arc (mean of easy, challenge)"
 
+    def cells(self) -> tuple[str, ...]:
+        """The table cells that say which figure this is and what tformer and the publication measured."""
+        stats = (f"{self.value:.2f} ± {self.stderr:.2f}", str(self.examples), f"{self.published.value:.2f}")
+        return (self.published.protocol, self.label, self.published.figure, *stats)
+
     @property
     def distance(self) -> float:
         """(tformer - published) / tformer's standard error."""
@@ -115,20 +120,7 @@ class EvaluationResult:
 
     def tables(self) -> list[Table]:
         examples = "all examples" if self.limit is None else f"first {self.limit} examples of each set"
-        rows = tuple(
-            (
-                r.published.protocol,
-                r.label,
-                r.published.figure,
-                f"{r.value:.2f} ± {r.stderr:.2f}",
-                str(r.examples),
-                f"{r.published.value:.2f}",
-                r.published.source,
-                f"{r.distance:+.2f}",
-                f"{r.seconds:.0f}",
-            )
-            for r in self.rows
-        )
+        rows = tuple((*r.cells(), r.published.source, f"{r.distance:+.2f}", f"{r.seconds:.0f}") for r in self.rows)
         columns = ("protocol", "task", "figure", "tformer (%)", "n", "published", "source", "(ours - pub) / SE", "s")
         out = [Table(columns, rows, f"Scores on the {examples}, against the published figures")] if rows else []
         if self.full:
@@ -137,12 +129,7 @@ class EvaluationResult:
             columns += ("transformers (%)", "argmax differs", "tformer s", "transformers s")
             full = tuple(
                 (
-                    r.published.protocol,
-                    r.label,
-                    r.published.figure,
-                    f"{r.value:.2f} ± {r.stderr:.2f}",
-                    str(r.examples),
-                    f"{r.published.value:.2f}",
+                    *r.cells(),
                     f"{r.distance:+.2f}",
                     "not run" if r.transformers is None else f"{r.transformers:.2f} ({r.transformers_scorer})",
                     "" if r.argmax_differs is None else str(r.argmax_differs),
@@ -152,9 +139,8 @@ class EvaluationResult:
                 for r in self.full
             )
             title = (
-                f"The full sets, recorded by benchmarks/eval.py --full on {cpus} (one thread; transformers on the "
-                "same GGUF file and requests, through lm-eval's HFLM or its own key/value cache), against the "
-                "published figures"
+                f"The full sets, recorded by benchmarks/eval.py --full on {cpus} (transformers on the same GGUF "
+                "file and requests, through lm-eval's HFLM or its own key/value cache), against the published figures"
             )
             out.append(Table(columns, full, title))
         return out
