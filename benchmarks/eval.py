@@ -250,12 +250,12 @@ def full(args) -> None:
             if hf is not None:
                 examples, reqs = token_requests(lm, task, protocol, args.limit)
                 if args.transformers == "cache":
-                    score, name = (lambda part: hf_cached(hf.model, part)), ".transformers-cache.jsonl"
+                    row["hf_scorer"], name = "cache", ".transformers-cache.jsonl"
+                    score = lambda part: hf_cached(hf.model, part)  # noqa: E731
                 else:
+                    row["hf_scorer"], name = "HFLM", ".transformers.jsonl"
                     score = lambda part: [r[0] for r in hf._loglikelihood_tokens(part, disable_tqdm=True)]  # noqa: E731
-                    name = ".transformers.jsonl"
                 lls, row["hf_seconds"] = hf_loglikelihoods(score, reqs, stem.with_suffix(name))
-                row["hf_scorer"] = "HFLM" if args.transformers == "hflm" else "cache"
                 row["hf"] = {k: mean_figure(v).value for k, v in scores(examples, lls, protocol).items()}
                 recorded = [json.loads(line) for line in stem.with_suffix(".jsonl").read_text().splitlines()]
                 theirs = iter(lls)

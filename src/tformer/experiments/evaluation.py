@@ -226,19 +226,19 @@ def record_full_set(path: str | Path, entry: dict) -> None:
     if absent:
         raise ValueError(f"a full set's record entry needs {', '.join(absent)}; got keys {', '.join(entry)}")
     path = Path(path)
-    rows = [r for r, _ in _read(path)] if path.exists() else []
-    rows = [r for r in rows if (r["protocol"], r["task"]) != (entry["protocol"], entry["task"])] + [entry]
-    lines = ",\n".join(f"  {json.dumps(r)}" for r in sorted(rows, key=lambda r: (r["protocol"], r["task"])))
+    sets = _read(path) if path.exists() else {}
+    sets[entry["protocol"], entry["task"]] = entry
+    lines = ",\n".join(f"  {json.dumps(sets[key])}" for key in sorted(sets))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(f'{{"about": {json.dumps(RECORD_ABOUT)},\n "rows": [\n{lines}\n]}}\n')  # a set per line
     tmp.replace(path)
 
 
-def _read(path: Path) -> list[tuple[dict, tuple[str, str]]]:
+def _read(path: Path) -> dict[tuple[str, str], dict]:
+    """The record's sets by (protocol, task); ``ValueError`` naming the file when it is not a record."""
     try:
-        rows = json.loads(path.read_text())["rows"]
-        return [(r, (r["protocol"], r["task"])) for r in rows]
+        return {(r["protocol"], r["task"]): r for r in json.loads(path.read_text())["rows"]}
     except (KeyError, TypeError, ValueError) as err:  # json's errors are ValueErrors
         raise ValueError(_not_a_record(path, err)) from None
 
@@ -253,7 +253,7 @@ def _not_a_record(path: str | Path, err: Exception) -> str:
 def full_rows(path: str | Path, wanted: list[Published]) -> tuple[list[FullRow], list[str]]:
     """The ``wanted`` figures from the benchmark's record at ``path`` (``benchmarks/eval.py --full --record``), and
     the figures whose sets it does not hold yet. ``ValueError`` naming the file when it is not such a record."""
-    sets = {key: r for r, key in _read(Path(path))}
+    sets = _read(Path(path))
     try:
         rows, missing = [], []
         for p in wanted:
@@ -261,11 +261,11 @@ def full_rows(path: str | Path, wanted: list[Published]) -> tuple[list[FullRow],
             if None in recs:
                 missing.append(f"{p.protocol} {' + '.join(p.tasks)}")
                 continue
-            figures = {
-                t: {n: {"value": v, "stderr": e, "n": r["n"]} for n, (v, e) in r["figures"].items()}
+            results = {  # shaped as evaluate()'s, for _row
+                t: {"figures": {n: {"value": v, "stderr": e, "n": r["n"]} for n, (v, e) in r["figures"].items()}}
                 for t, r in zip(p.tasks, recs, strict=True)
             }
-            row = _row({"tasks": {t: {"figures": f} for t, f in figures.items()}}, p, sum(r["seconds"] for r in recs))
+            row = _row({"tasks": results}, p, sum(r["seconds"] for r in recs))
             hf = [r.get("transformers") for r in recs]
             full = FullRow(**vars(row), cpu=", ".join(dict.fromkeys(r["cpu"] for r in recs)))
             if None not in hf:
