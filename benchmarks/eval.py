@@ -90,10 +90,10 @@ def hf_cached(model, reqs: list) -> list[float]:
             out[i] = first[c[0]].item()
         longest = max(len(c) for c in conts)
         if longest > 1:
-            cache = res.past_key_values
+            cache = res.cache
             cache.batch_repeat_interleave(len(idx))
             ids = torch.tensor([c[:-1] + [0] * (longest - len(c)) for c in conts])
-            logp = model(input_ids=ids, past_key_values=cache, use_cache=False).logits.float().log_softmax(-1)
+            logp = model(input_ids=ids, cache=cache, use_cache=False).logits.float().log_softmax(-1)
             for j, (i, c) in enumerate(zip(idx, conts, strict=True)):
                 out[i] += logp[j, torch.arange(len(c) - 1), torch.tensor(c[1:])].sum().item()
     return out
