@@ -142,8 +142,12 @@ def _score_batch(model, requests, batch, pad_id: int) -> dict[int, Scored]:
     for at in range(0, len(target), HEAD_ROWS):
         logits = model.logits(hidden[None, at : at + HEAD_ROWS])[0].float()  # (<= HEAD_ROWS, V)
         t = target[at : at + HEAD_ROWS]
-        token_lp[at : at + len(t)] = logits.gather(1, t[:, None])[:, 0] - logits.logsumexp(-1)
-        hit[at : at + len(t)] = (logits.argmax(-1) == t).float()
+        picked = logits.gather(1, t[:, None])[:, 0]
+        top, best = logits.max(-1)  # one pass for both; max's index is argmax's (the first maximum)
+        # logsumexp's own steps (max, subtract, exp, sum, log, add), in place over the logits: the same floats
+        lse = logits.sub_(top[:, None]).exp_().sum(-1).log_().add_(top)
+        token_lp[at : at + len(t)] = picked - lse
+        hit[at : at + len(t)] = (best == t).float()
     seg = torch.tensor(segment, device=device)
     n, own = len(rows) + len(batch), torch.tensor(owner, device=device) + len(rows)
     totals = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, token_lp.double())
